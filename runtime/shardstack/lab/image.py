@@ -1,0 +1,110 @@
+"""The lab's node image: a debootstrapped Debian 12 root with systemd, sshd and python3-apt, built once and cached.
+
+The cache key is a hash of the recipe below, so changing the recipe builds a new image and never reuses a stale one.
+Nodes boot from an overlay on top of it, so the image itself is never written to after it is built.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import fcntl
+import hashlib
+import os
+import shutil
+import subprocess
+import time
+from pathlib import Path
+
+from shardstack.errors import ShardstackError
+from shardstack.lab.progress import Progress
+from shardstack.lab.state import cache_dir
+
+SUITE = "bookworm"
+MIRROR = "http://deb.debian.org/debian"
+PACKAGES = (
+    "systemd", "systemd-sysv", "dbus", "python3", "iproute2", "openssh-server", "python3-apt", "sudo",
+    "ca-certificates", "procps",
+)
+# Timers and units that only add noise or load to a lab node (and a getty that nspawn has no tty for).
+MASKED_UNITS = (
+    "apt-daily.timer", "apt-daily-upgrade.timer", "e2scrub_all.timer", "e2scrub_reap.service", "fstrim.timer",
+    "dpkg-db-backup.timer", "getty@tty1.service", "console-getty.service", "systemd-timesyncd.service",
+)
+SOURCES = f"""\
+deb {MIRROR} {SUITE} main contrib non-free non-free-firmware
+deb {MIRROR} {SUITE}-updates main contrib non-free non-free-firmware
+deb http://deb.debian.org/debian-security {SUITE}-security main contrib non-free non-free-firmware
+"""
+RECIPE_VERSION = "3"
+
+
+def image_key() -> str:
+    recipe = "\n".join([RECIPE_VERSION, SUITE, MIRROR, *PACKAGES, *MASKED_UNITS, SOURCES])
+    return f"debian-{SUITE}-{hashlib.sha256(recipe.encode()).hexdigest()[:12]}"
+
+
+def image_path() -> Path:
+    return cache_dir() / "images" / image_key()
+
+
+def ensure_image(progress: Progress) -> Path:
+    """Return the cached image, building it first if needed (one builder at a time, others wait)."""
+    target = image_path()
+    target.parent.mkdir(parents=True, exist_ok=True)
+    with open(target.parent / ".lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        if (target / ".complete").is_file():
+            progress.done(f"node image cached at {target}")
+            return target
+        _build(target, progress)
+    return target
+
+
+def _build(target: Path, progress: Progress) -> None:
+    tmp = target.with_name(target.name + ".building")
+    shutil.rmtree(tmp, ignore_errors=True)
+    log = target.with_name(target.name + ".log")
+    started = time.monotonic()
+    cmd = ["debootstrap", "--variant=minbase", "--include=" + ",".join(PACKAGES), SUITE, str(tmp), MIRROR]
+    try:
+        with progress.step("building node image (debootstrap Debian 12, ~2 min, once)") as step, \
+                open(log, "w") as out:
+            proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+            assert proc.stdout is not None
+            for line in proc.stdout:
+                out.write(line)
+                if line.startswith(("I: ", "E: ", "W: ")):
+                    step.update(line[3:].strip())
+            if proc.wait() != 0:
+                raise ShardstackError(f"debootstrap failed (exit {proc.returncode}); see {log}",
+                                      hint="the host must reach Debian's package mirror")
+            _configure(tmp)
+        (tmp / ".complete").write_text(f"built in {time.monotonic() - started:.0f}s\n")
+        os.replace(tmp, target)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    progress.done(f"node image built in {time.monotonic() - started:.0f}s at {target}")
+
+
+def _configure(root: Path) -> None:
+    # Every node must get its own machine-id (systemd writes one at first boot when the file is empty).
+    (root / "etc/machine-id").write_text("")
+    with contextlib.suppress(FileNotFoundError):
+        (root / "var/lib/dbus/machine-id").unlink()
+    for unit in MASKED_UNITS:
+        link = root / "etc/systemd/system" / unit
+        link.unlink(missing_ok=True)
+        link.symlink_to("/dev/null")
+    (root / "etc/apt/sources.list").write_text(SOURCES)
+    # Host keys are generated per node at creation; a shared key would make nodes indistinguishable to ssh.
+    for key in (root / "etc/ssh").glob("ssh_host_*"):
+        key.unlink()
+    lists = root / "var/lib/apt/lists"
+    for f in lists.glob("*"):
+        if f.is_file():
+            f.unlink()
+    for f in (root / "var/cache/apt/archives").glob("*.deb"):
+        f.unlink()
+    # An old mtime makes Ansible's `cache_valid_time` refresh the (empty) package lists on first use.
+    os.utime(lists, (0, 0))
