@@ -198,7 +198,7 @@ def _boot(lab: st.LabState, node: st.NodeState) -> int:
         cmd.append("--bind=/dev/fuse")
     log = open(Path(node.root).parent / "console.log", "w")  # noqa: SIM115 - handed to nspawn
     proc = subprocess.Popen(cmd, stdin=subprocess.DEVNULL, stdout=log, stderr=log, start_new_session=True,
-                            preexec_fn=enter_cgroup)  # noqa: PLW1509 - no threads are running here
+                            preexec_fn=enter_cgroup)
     return proc.pid
 
 
@@ -293,9 +293,8 @@ def down(name: str, progress: Progress) -> None:
                     with contextlib.suppress(ProcessLookupError):
                         os.kill(pid, signal.SIGKILL)
         for node in lab.nodes:
-            if os.path.ismount(node.root):
-                if sh("umount", node.root, check=False).returncode != 0:
-                    sh("umount", "-l", node.root, check=False)
+            if os.path.ismount(node.root) and sh("umount", node.root, check=False).returncode != 0:
+                sh("umount", "-l", node.root, check=False)
             sh("ip", "link", "del", node.veth, check=False)  # can outlive the namespace
             sh("ip", "netns", "del", node.netns, check=False)
         sh("ip", "link", "del", lab.bridge, check=False)
@@ -309,7 +308,7 @@ def _rmdir_tree(cg: Path) -> None:
     if not cg.is_dir():
         return
     deadline = time.monotonic() + 5
-    for sub in sorted((p for p in cg.rglob("*") if p.is_dir()), key=lambda p: -len(p.parts)) + [cg]:
+    for sub in [*sorted((p for p in cg.rglob("*") if p.is_dir()), key=lambda p: -len(p.parts)), cg]:
         while True:
             try:
                 sub.rmdir()

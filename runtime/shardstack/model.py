@@ -1,0 +1,193 @@
+"""A GPT decoder in the spirit of nanoGPT: small enough to read, sized from a few MB to ~1.3B parameters.
+
+The same module trains (full causal attention) and serves: with a `KVCache`, `forward` appends each row's new
+keys/values into its own cache slot at its own position, so a batch can mix sequences of different lengths
+(continuous batching). The shard unit for FSDP2 is one `Block` (`model.blocks`).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import asdict, dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+BYTE_VOCAB = 256  # the default byte-level tokenizer: token id == byte value
+
+
+@dataclass(frozen=True)
+class GPTConfig:
+    vocab_size: int = BYTE_VOCAB
+    n_layer: int = 4
+    n_head: int = 4
+    d_model: int = 128
+    seq_len: int = 256
+    mlp_ratio: int = 4
+    dropout: float = 0.0
+    bias: bool = False
+    tie_embeddings: bool = True
+
+    def __post_init__(self) -> None:
+        if self.d_model % self.n_head:
+            raise ValueError(f"d_model ({self.d_model}) must be divisible by n_head ({self.n_head})")
+
+    @property
+    def head_dim(self) -> int:
+        return self.d_model // self.n_head
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+
+# Named sizes; `model.size` in a job config picks one, explicit fields override it.
+PRESETS: dict[str, dict[str, int]] = {
+    "tiny": {"n_layer": 2, "n_head": 2, "d_model": 64, "seq_len": 64},
+    "small": {"n_layer": 4, "n_head": 4, "d_model": 128, "seq_len": 256},
+    "gpt2-124m": {"n_layer": 12, "n_head": 12, "d_model": 768, "seq_len": 1024},
+    "gpt-350m": {"n_layer": 24, "n_head": 16, "d_model": 1024, "seq_len": 1024},
+    "gpt-1.3b": {"n_layer": 24, "n_head": 16, "d_model": 2048, "seq_len": 2048},
+}
+
+
+class KVCache:
+    """Key/value buffers for `slots` sequences of up to `max_len` tokens each, one pair per layer."""
+
+    def __init__(self, config: GPTConfig, slots: int, max_len: int, *, dtype: torch.dtype, device) -> None:
+        shape = (config.n_layer, slots, config.n_head, max_len, config.head_dim)
+        self.k = torch.zeros(shape, dtype=dtype, device=device)
+        self.v = torch.zeros(shape, dtype=dtype, device=device)
+        self.max_len = max_len
+
+
+class CausalSelfAttention(nn.Module):
+    def __init__(self, config: GPTConfig) -> None:
+        super().__init__()
+        self.n_head, self.head_dim = config.n_head, config.head_dim
+        self.qkv = nn.Linear(config.d_model, 3 * config.d_model, bias=config.bias)
+        self.proj = nn.Linear(config.d_model, config.d_model, bias=config.bias)
+        self.dropout = config.dropout
+
+    def forward(self, x: torch.Tensor, cache: _LayerCache | None = None) -> torch.Tensor:
+        b, t, d = x.shape
+        q, k, v = self.qkv(x).split(d, dim=2)
+        q, k, v = (z.view(b, t, self.n_head, self.head_dim).transpose(1, 2) for z in (q, k, v))
+        if cache is None:
+            y = F.scaled_dot_product_attention(q, k, v, is_causal=True,
+                                               dropout_p=self.dropout if self.training else 0.0)
+        else:
+            k, v, mask = cache.update(k, v)
+            y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+        return self.proj(y.transpose(1, 2).reshape(b, t, d))
+
+
+class _LayerCache:
+    """One layer's view of a KVCache for one forward call: where each row writes and what it may attend to."""
+
+    def __init__(self, cache: KVCache, layer: int, slots: torch.Tensor, positions: torch.Tensor, t: int) -> None:
+        self.k, self.v = cache.k[layer], cache.v[layer]
+        offsets = torch.arange(t, device=positions.device)
+        self.rows = slots[:, None].expand(-1, t)
+        self.cols = positions[:, None] + offsets  # [B, T] absolute position of each new token
+        self.length = int(self.cols.max()) + 1
+        keys = torch.arange(self.length, device=positions.device)
+        self.mask = (keys[None, None, :] <= self.cols[:, :, None])[:, None]  # [B, 1, T, L]
+
+    def update(self, k: torch.Tensor, v: torch.Tensor):
+        # Advanced indexing around a slice puts the indexed dims first: [B, T, H, D].
+        self.k[self.rows, :, self.cols] = k.transpose(1, 2)
+        self.v[self.rows, :, self.cols] = v.transpose(1, 2)
+        slots = self.rows[:, 0]
+        return self.k[slots, :, : self.length], self.v[slots, :, : self.length], self.mask
+
+
+class MLP(nn.Module):
+    def __init__(self, config: GPTConfig) -> None:
+        super().__init__()
+        self.fc = nn.Linear(config.d_model, config.mlp_ratio * config.d_model, bias=config.bias)
+        self.proj = nn.Linear(config.mlp_ratio * config.d_model, config.d_model, bias=config.bias)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.proj(F.gelu(self.fc(x), approximate="tanh"))
+
+
+class Block(nn.Module):
+    def __init__(self, config: GPTConfig) -> None:
+        super().__init__()
+        self.ln1 = nn.LayerNorm(config.d_model, bias=config.bias)
+        self.attn = CausalSelfAttention(config)
+        self.ln2 = nn.LayerNorm(config.d_model, bias=config.bias)
+        self.mlp = MLP(config)
+
+    def forward(self, x: torch.Tensor, cache: _LayerCache | None = None) -> torch.Tensor:
+        x = x + self.attn(self.ln1(x), cache)
+        return x + self.mlp(self.ln2(x))
+
+
+class GPT(nn.Module):
+    def __init__(self, config: GPTConfig) -> None:
+        super().__init__()
+        self.config = config
+        self.tok_emb = nn.Embedding(config.vocab_size, config.d_model)
+        self.pos_emb = nn.Embedding(config.seq_len, config.d_model)
+        self.drop = nn.Dropout(config.dropout)
+        self.blocks = nn.ModuleList(Block(config) for _ in range(config.n_layer))
+        self.ln_f = nn.LayerNorm(config.d_model, bias=config.bias)
+        self.lm_head = nn.Linear(config.d_model, config.vocab_size, bias=False)
+        if config.tie_embeddings:
+            self.lm_head.weight = self.tok_emb.weight
+        self.reset_parameters()
+
+    def reset_parameters(self) -> None:
+        """GPT-2 init; residual projections scaled by 1/sqrt(2·layers). Deterministic under torch.manual_seed."""
+        for name, p in self.named_parameters():
+            if p.dim() >= 2:
+                std = 0.02 / math.sqrt(2 * self.config.n_layer) if name.endswith("proj.weight") else 0.02
+                nn.init.normal_(p, mean=0.0, std=std)
+            elif name.endswith("bias"):
+                nn.init.zeros_(p)
+            else:
+                nn.init.ones_(p)
+
+    def forward(
+        self,
+        idx: torch.Tensor,
+        targets: torch.Tensor | None = None,
+        *,
+        cache: KVCache | None = None,
+        slots: torch.Tensor | None = None,
+        positions: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        """Logits [B, T, V], or the mean cross-entropy when `targets` is given.
+
+        With `cache`, row b of `idx` continues the sequence in cache slot `slots[b]` from `positions[b]`.
+        """
+        _b, t = idx.shape
+        if cache is None:
+            if t > self.config.seq_len:
+                raise ValueError(f"sequence of {t} tokens is longer than seq_len={self.config.seq_len}")
+            pos = torch.arange(t, device=idx.device)[None]
+            layer_caches = [None] * len(self.blocks)
+        else:
+            assert slots is not None and positions is not None
+            pos = positions[:, None] + torch.arange(t, device=idx.device)
+            if int(pos.max()) >= min(self.config.seq_len, cache.max_len):
+                raise ValueError("sequence longer than the model's context")
+            layer_caches = [_LayerCache(cache, i, slots, positions, t) for i in range(len(self.blocks))]
+        x = self.drop(self.tok_emb(idx) + self.pos_emb(pos))
+        for block, layer_cache in zip(self.blocks, layer_caches, strict=True):
+            x = block(x, layer_cache)
+        logits = self.lm_head(self.ln_f(x))
+        if targets is None:
+            return logits
+        return F.cross_entropy(logits.float().view(-1, logits.size(-1)), targets.view(-1))
+
+    def num_params(self, *, non_embedding: bool = False) -> int:
+        n = sum(p.numel() for p in self.parameters())
+        return n - self.pos_emb.weight.numel() if non_embedding else n
+
+    def flops_per_token(self) -> float:
+        """Training FLOPs per token, PaLM appendix B: 6·N + 12·L·d·T (N without position embeddings)."""
+        c = self.config
+        return 6 * self.num_params(non_embedding=True) + 12 * c.n_layer * c.d_model * c.seq_len
