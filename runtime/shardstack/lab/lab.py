@@ -284,6 +284,7 @@ def down(name: str, progress: Progress) -> None:
     _require_root()
     lab = st.LabState.load(name)
     with progress.step(f"taking lab {name} down ({len(lab.nodes)} node(s))"):
+        _close_ssh_masters(lab)
         with ThreadPoolExecutor(max(1, len(lab.nodes))) as pool:
             list(pool.map(lambda n: _kill(n.nspawn_pid, 15), lab.nodes))
         _kill(lab.proxy_pid, 5)
@@ -302,6 +303,15 @@ def down(name: str, progress: Progress) -> None:
             _rmdir_tree(cg_root)
         shutil.rmtree(lab.dir, ignore_errors=True)
     progress.done(f"lab {name} is down; nothing left behind")
+
+
+def _close_ssh_masters(lab: st.LabState) -> None:
+    """Ansible/molecule keep ssh ControlMaster processes for 60 s; close those that point at this lab's nodes."""
+    cp_dir = Path.home() / ".ansible" / "cp"
+    if not cp_dir.is_dir():
+        return
+    for node in lab.nodes:  # ansible's default ControlPath is ~/.ansible/cp/%C, a hash of host, port and user
+        sh("ssh", "-o", f"ControlPath={cp_dir}/%C", "-O", "exit", "-p", "22", f"root@{node.ip}", check=False)
 
 
 def _rmdir_tree(cg: Path) -> None:
