@@ -1,0 +1,5 @@
+import sys
+
+from shardstack.cli import main
+
+sys.exit(main())

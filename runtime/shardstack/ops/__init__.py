@@ -1,0 +1,1 @@
+"""Operations: ansible-runner wrapper, deploy and day-2 commands."""

@@ -1,0 +1,145 @@
+"""Run the project's playbooks through ansible-runner and return typed results.
+
+This is the Python API the CLI is built on: `run_playbook("site.yml", inventory)` → `RunResult` with per-host
+ok/changed/failed counts and, for each failed host, the task and message that failed.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from collections.abc import Callable
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+from shardstack.errors import ShardstackError
+
+
+def project_dir() -> Path:
+    """The directory holding site.yml: $SHARDSTACK_HOME, the current directory or a parent, else the source tree."""
+    if env := os.environ.get("SHARDSTACK_HOME"):
+        return Path(env).resolve()
+    for d in (Path.cwd(), *Path.cwd().parents):
+        if (d / "site.yml").is_file() and (d / "roles").is_dir():
+            return d
+    src = Path(__file__).resolve().parents[3]
+    if (src / "site.yml").is_file():
+        return src
+    raise ShardstackError("cannot find the shardstack project (site.yml)",
+                          hint="run from the project directory or set SHARDSTACK_HOME")
+
+
+@dataclass
+class HostResult:
+    host: str
+    ok: int = 0
+    changed: int = 0
+    failed: int = 0
+    unreachable: int = 0
+    skipped: int = 0
+    failed_task: str | None = None
+    message: str | None = None
+
+    @property
+    def success(self) -> bool:
+        return not (self.failed or self.unreachable)
+
+
+@dataclass
+class RunResult:
+    playbook: str
+    status: str  # ansible-runner's: successful | failed | timeout | canceled
+    rc: int
+    seconds: float
+    artifact_dir: str
+    hosts: dict[str, HostResult] = field(default_factory=dict)
+
+    @property
+    def success(self) -> bool:
+        return self.rc == 0 and all(h.success for h in self.hosts.values())
+
+    @property
+    def changed(self) -> int:
+        return sum(h.changed for h in self.hosts.values())
+
+    @property
+    def failed(self) -> int:
+        return sum(h.failed + h.unreachable for h in self.hosts.values())
+
+    def to_dict(self) -> dict[str, Any]:
+        d = asdict(self)
+        d.update(success=self.success, changed=self.changed, failed=self.failed)
+        return d
+
+
+Event = dict[str, Any]
+
+
+def run_playbook(
+    playbook: str,
+    inventory: Path,
+    *,
+    tags: str | None = None,
+    skip_tags: str | None = None,
+    limit: str | None = None,
+    check: bool = False,
+    extravars: dict[str, Any] | None = None,
+    on_event: Callable[[Event], None] | None = None,
+    artifacts: Path | None = None,
+) -> RunResult:
+    import ansible_runner  # deferred: the runtime commands must not need the ops extra
+
+    root = project_dir()
+    book = root / playbook
+    if not book.is_file():
+        raise ShardstackError(f"no playbook {playbook!r} in {root}")
+    inventory = inventory.resolve()
+    if not inventory.exists():
+        raise ShardstackError(
+            f"inventory {inventory} does not exist",
+            hint="for the local lab run `shardstack lab up` first; for a cluster copy inventory/sample")
+    artifacts = (artifacts or root / "artifacts" / "runs").resolve()
+    artifacts.mkdir(parents=True, exist_ok=True)
+    cmdline = " ".join(x for x in ("--check --diff" if check else "", f"--skip-tags {skip_tags}" if skip_tags else "")
+                       if x)
+    hosts: dict[str, HostResult] = {}
+
+    def handle(event: Event) -> bool:
+        data = event.get("event_data", {})
+        host = data.get("host")
+        if event.get("event") in ("runner_on_failed", "runner_on_unreachable") and host and \
+                not data.get("ignore_errors"):
+            res = data.get("res", {})
+            hr = hosts.setdefault(host, HostResult(host))
+            hr.failed_task = data.get("task")
+            hr.message = str(res.get("msg") or res.get("stderr") or res.get("reason") or res)[:2000]
+        if on_event:
+            on_event(event)
+        return True
+
+    started = time.monotonic()
+    runner = ansible_runner.run(
+        private_data_dir=str(artifacts),
+        project_dir=str(root),
+        playbook=str(book),
+        inventory=str(inventory),
+        tags=tags,
+        limit=limit,
+        cmdline=cmdline or None,
+        extravars=extravars or {},
+        envvars={"ANSIBLE_CONFIG": str(root / "ansible.cfg"), "ANSIBLE_ROLES_PATH": str(root / "roles"),
+                 "ANSIBLE_FORCE_COLOR": "0"},
+        event_handler=handle,
+        quiet=True,
+        rotate_artifacts=20,
+    )
+    stats = runner.stats or {}
+    for key, attr in (("ok", "ok"), ("changed", "changed"), ("failures", "failed"), ("dark", "unreachable"),
+                      ("skipped", "skipped")):
+        for host, n in (stats.get(key) or {}).items():
+            setattr(hosts.setdefault(host, HostResult(host)), attr, n)
+    for hr in hosts.values():  # ansible counts changed tasks inside ok
+        hr.ok -= hr.changed
+    return RunResult(playbook=playbook, status=runner.status, rc=runner.rc, seconds=time.monotonic() - started,
+                     artifact_dir=str(runner.config.artifact_dir), hosts=dict(sorted(hosts.items())))
