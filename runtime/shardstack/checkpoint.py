@@ -1,0 +1,478 @@
+"""Sharded training checkpoints: torch.distributed.checkpoint (DCP) per step directory, committed atomically.
+
+Layout under `checkpoint.dir`::
+
+    step_00000100/            a committed checkpoint: DCP shards (__<rank>_<n>.distcp), .metadata, manifest.json
+    step_00000200.tmp-1a2b3c/ a save in progress (or one that crashed): never picked, removed on the next resume
+
+A save goes: every rank writes its shards into `step_N.tmp-<nonce>/` (DCP fsyncs each file and the .metadata);
+every rank hashes the files it wrote; rank 0 gathers the hashes, writes `manifest.json` (step, world size, stage,
+config hash, size + sha256 of every file), fsyncs it and the directory, renames the directory to `step_N/` and
+fsyncs the parent. The rename is the commit: a crash at any point before it leaves only a `.tmp-` directory.
+
+Resume (`resume: auto`) walks the committed directories newest first and takes the first whose manifest verifies
+(every file present, sizes and sha256 equal; the ranks hash disjoint subsets of the files in parallel); each one
+skipped is logged with the reason. The state is DCP's, keyed by fully qualified names with DTensor/ShardedTensor
+shards, so it loads on any world size and any ZeRO stage without a conversion step.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import json
+import logging
+import os
+import re
+import shutil
+import socket
+import time
+import uuid
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass, field
+from datetime import UTC, datetime
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, Protocol
+
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.stateful import Stateful
+
+from shardstack.errors import ShardstackError
+
+if TYPE_CHECKING:
+    from shardstack.config import CheckpointConfig
+
+log = logging.getLogger(__name__)
+
+MANIFEST = "manifest.json"
+MANIFEST_FORMAT = "shardstack-checkpoint/1"
+DCP_METADATA = ".metadata"
+_STEP_RE = re.compile(r"^step_(\d{8})$")
+_STALE_RE = re.compile(r"^step_\d{8}\.(tmp|deleting)-[0-9a-f]+$")
+_HASH_CHUNK = 8 << 20
+
+
+class _DistLike(Protocol):
+    rank: int
+    world_size: int
+
+
+def step_dir_name(step: int) -> str:
+    return f"step_{step:08d}"
+
+
+# --------------------------------------------------------------------------------------------- filesystem helpers
+
+
+def _fsync_dir(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _fsync_file(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _sha256(path: Path) -> str:
+    with open(path, "rb") as f:
+        return hashlib.file_digest(f, "sha256").hexdigest()
+
+
+def _file_entry(path: Path) -> dict[str, Any]:
+    return {"size": path.stat().st_size, "sha256": _sha256(path)}
+
+
+def _write_json_durable(path: Path, obj: dict) -> None:
+    tmp = path.with_name(path.name + ".tmp")
+    with open(tmp, "w") as f:
+        json.dump(obj, f, indent=2, sort_keys=True)
+        f.write("\n")
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+
+
+def _remove_tree(path: Path) -> None:
+    """Rename first so a half-deleted directory can never look like a committed checkpoint, then delete."""
+    doomed = path.with_name(f"{path.name}.deleting-{uuid.uuid4().hex[:8]}")
+    os.replace(path, doomed)
+    shutil.rmtree(doomed, ignore_errors=True)
+
+
+# ------------------------------------------------------------------------------------------- listing and verifying
+
+
+@dataclass
+class CheckpointInfo:
+    """One committed step directory and what verifying it found (`problem` is None when it is valid)."""
+
+    path: Path
+    step: int
+    manifest: dict[str, Any] | None = None
+    problem: str | None = None
+    checked: str = "manifest"  # how far it was checked: manifest | sizes | sha256
+
+    @property
+    def valid(self) -> bool:
+        return self.problem is None
+
+
+def list_checkpoints(root: str | os.PathLike) -> list[tuple[int, Path]]:
+    """Committed step directories under `root`, oldest first (in-progress `.tmp-` directories are not listed)."""
+    root = Path(root)
+    if not root.is_dir():
+        return []
+    found = []
+    for entry in root.iterdir():
+        m = _STEP_RE.match(entry.name)
+        if m and entry.is_dir():
+            found.append((int(m.group(1)), entry))
+    return sorted(found)
+
+
+def read_manifest(path: str | os.PathLike) -> tuple[dict[str, Any] | None, str | None]:
+    """The manifest of a step directory, or None and why it is unusable."""
+    path = Path(path)
+    mf = path / MANIFEST
+    if not mf.is_file():
+        return None, "no manifest.json (the save never committed)"
+    try:
+        manifest = json.loads(mf.read_text())
+    except (OSError, ValueError) as exc:
+        return None, f"manifest.json is unreadable ({exc})"
+    if not isinstance(manifest, dict) or manifest.get("format") != MANIFEST_FORMAT:
+        return None, f"manifest.json is not a {MANIFEST_FORMAT} manifest"
+    if not isinstance(manifest.get("files"), dict) or DCP_METADATA not in manifest["files"]:
+        return None, "manifest.json lists no DCP .metadata file"
+    m = _STEP_RE.match(path.name)
+    if m and int(m.group(1)) != manifest.get("step"):
+        return None, f"manifest.json says step {manifest.get('step')} but the directory is {path.name}"
+    return manifest, None
+
+
+def _check_files(path: Path, files: dict[str, dict[str, Any]], names: list[str], checksums: bool) -> str | None:
+    for name in names:
+        expected = files[name]
+        f = path / name
+        if not f.is_file():
+            return f"missing file {name}"
+        size = f.stat().st_size
+        if size != expected["size"]:
+            return f"size mismatch for {name}: manifest says {expected['size']} bytes, found {size} (truncated?)"
+        if checksums and _sha256(f) != expected["sha256"]:
+            return f"checksum mismatch for {name} (sha256 differs from the manifest)"
+    return None
+
+
+def verify_checkpoint(path: str | os.PathLike, *, checksums: bool = True) -> CheckpointInfo:
+    """Check one step directory on this process: manifest, every file present, sizes, and (optionally) sha256."""
+    path = Path(path)
+    m = _STEP_RE.match(path.name)
+    manifest, problem = read_manifest(path)
+    step = int(m.group(1)) if m else int(manifest.get("step", -1)) if manifest else -1
+    info = CheckpointInfo(path=path, step=step, manifest=manifest, problem=problem)
+    if manifest is not None:
+        info.problem = _check_files(path, manifest["files"], sorted(manifest["files"]), checksums)
+        info.checked = "sha256" if checksums else "sizes"
+    return info
+
+
+def resolve_checkpoint(path: str | os.PathLike, *, checksums: bool = True) -> CheckpointInfo:
+    """A step directory as given, or the newest valid one under a checkpoint root; raises if there is none."""
+    path = Path(path)
+    if not path.is_dir():
+        raise ShardstackError(f"checkpoint directory {path} does not exist")
+    if (path / MANIFEST).is_file() or _STEP_RE.match(path.name):
+        info = verify_checkpoint(path, checksums=checksums)
+        if not info.valid:
+            raise ShardstackError(f"checkpoint {path} is not valid: {info.problem}")
+        return info
+    for _step, step_dir in reversed(list_checkpoints(path)):
+        info = verify_checkpoint(step_dir, checksums=checksums)
+        if info.valid:
+            return info
+        log.warning("skipping checkpoint %s: %s", step_dir.name, info.problem)
+    raise ShardstackError(
+        f"no valid checkpoint under {path}",
+        hint="point at a checkpoint root (with step_XXXXXXXX/ directories) or at one step directory",
+    )
+
+
+# ------------------------------------------------------------------------------------------------ the checkpointer
+
+
+@dataclass
+class _PendingSave:
+    step: int
+    future: Future
+    started: float = field(default_factory=time.monotonic)
+
+
+class Checkpointer:
+    """Saves and restores the trainer's `app_state` (a DCP `Stateful`) under `cfg.dir`; a no-op when it is None.
+
+    Every rank must call every method in the same order (they are collective). `stage` and `job_config` are
+    recorded in the manifest: the stage for `checkpoint ls`, the job config so `export` knows the model shape.
+    """
+
+    def __init__(
+        self,
+        cfg: CheckpointConfig,
+        *,
+        config_hash: str,
+        dist: _DistLike | None = None,
+        stage: int | None = None,
+        job_config: dict[str, Any] | None = None,
+    ) -> None:
+        self.cfg = cfg
+        self.config_hash = config_hash
+        self.stage = stage
+        self.job_config = job_config
+        self.enabled = cfg.dir is not None
+        self.root = Path(cfg.dir) if cfg.dir is not None else None
+        self._distributed = torch.distributed.is_available() and torch.distributed.is_initialized()
+        self.rank = dist.rank if dist is not None else (torch.distributed.get_rank() if self._distributed else 0)
+        self.world_size = (
+            dist.world_size if dist is not None else (torch.distributed.get_world_size() if self._distributed else 1)
+        )
+        self.last_saved_step: int | None = None
+        self.last_save_seconds: float | None = None  # blocking time of the last save (staging only when async)
+        self._pending: _PendingSave | None = None
+        self._executor: ThreadPoolExecutor | None = None
+        self._pg = None
+        if self.enabled and cfg.async_save:
+            self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="shardstack-ckpt")
+            if self._distributed:
+                # Async uploads run collectives from a background thread: give them their own gloo group so they
+                # can never interleave with the training loop's collectives on the default group.
+                self._pg = torch.distributed.new_group(backend="gloo")
+
+    # -- collectives that degrade to local calls when there is no process group ---------------------------------
+
+    def _broadcast(self, obj: Any, group=None) -> Any:
+        if not self._distributed:
+            return obj
+        box = [obj]
+        dist.broadcast_object_list(box, src=0, group=group)
+        return box[0]
+
+    def _gather(self, obj: Any, group=None) -> list[Any] | None:
+        if not self._distributed:
+            return [obj]
+        out: list[Any] | None = [None] * self.world_size if self.rank == 0 else None
+        dist.gather_object(obj, out, dst=0, group=group)
+        return out
+
+    def _all_gather(self, obj: Any) -> list[Any]:
+        if not self._distributed:
+            return [obj]
+        out: list[Any] = [None] * self.world_size
+        dist.all_gather_object(out, obj)
+        return out
+
+    # -- resume ----------------------------------------------------------------------------------------------------
+
+    def resume(self, app_state: Stateful) -> int:
+        """Load the checkpoint `cfg.resume` names (auto: the newest valid one) into `app_state`; its step, or 0."""
+        if not self.enabled or self.cfg.resume == "never":
+            return 0
+        assert self.root is not None
+        if self.rank == 0:
+            self.root.mkdir(parents=True, exist_ok=True)
+            self._remove_stale()
+        if self.cfg.resume == "auto":
+            chosen = self._find_newest_valid()
+            if chosen is None:
+                if self.rank == 0:
+                    log.info("no valid checkpoint under %s: starting from step 0", self.root)
+                return 0
+        else:
+            chosen = self._explicit(Path(self.cfg.resume))
+        path, manifest = chosen
+        if manifest.get("config_hash") != self.config_hash and self.rank == 0:
+            log.warning(
+                "checkpoint %s was written by a job with config hash %s, this job has %s; resuming anyway "
+                "(model and optimizer shapes are checked by the load)",
+                path.name, manifest.get("config_hash"), self.config_hash,
+            )
+        t0 = time.monotonic()
+        state = app_state.state_dict()
+        dcp.load(state, checkpoint_id=str(path))
+        app_state.load_state_dict(state)
+        step = int(manifest["step"])
+        self.last_saved_step = step
+        if self.rank == 0:
+            log.info(
+                "resumed from %s (step %d, saved by %d ranks at stage %s; now %d ranks) in %.1fs",
+                path, step, manifest.get("world_size"), manifest.get("stage"), self.world_size,
+                time.monotonic() - t0,
+            )
+        return step
+
+    def _explicit(self, path: Path) -> tuple[Path, dict[str, Any]]:
+        if not path.is_absolute() and not path.exists():
+            path = self.root / path  # type: ignore[operator]
+        problem = self._verify_everywhere(path, self._broadcast(read_manifest(path) if self.rank == 0 else None))
+        if problem is not None:
+            raise ShardstackError(
+                f"checkpoint.resume names {path}, which is not a valid checkpoint: {problem}",
+                hint="use resume: auto to take the newest valid checkpoint, or never to start fresh",
+            )
+        return path, read_manifest(path)[0]  # type: ignore[return-value]
+
+    def _find_newest_valid(self) -> tuple[Path, dict[str, Any]] | None:
+        candidates = self._broadcast(list_checkpoints(self.root) if self.rank == 0 else None)  # type: ignore[arg-type]
+        for _step, path in reversed(candidates):
+            parsed = self._broadcast(read_manifest(path) if self.rank == 0 else None)
+            problem = self._verify_everywhere(path, parsed)
+            if problem is None:
+                return path, parsed[0]
+            if self.rank == 0:
+                log.warning("skipping checkpoint %s: %s; trying the previous one", path, problem)
+        return None
+
+    def _verify_everywhere(self, path: Path, parsed: tuple[dict[str, Any] | None, str | None]) -> str | None:
+        """Verify sizes and sha256 with the files split across ranks; the first problem any rank found, or None."""
+        manifest, problem = parsed
+        if manifest is None:
+            return problem
+        names = sorted(manifest["files"])
+        mine = _check_files(path, manifest["files"], names[self.rank :: self.world_size], checksums=True)
+        problems = [p for p in self._all_gather(mine) if p is not None]
+        return problems[0] if problems else None
+
+    def _remove_stale(self) -> None:
+        """Directories of saves that never committed (a crash mid-save) or deletions that never finished."""
+        for entry in self.root.iterdir():  # type: ignore[union-attr]
+            if _STALE_RE.match(entry.name) and entry.is_dir():
+                log.warning("removing %s: a save or delete that never finished", entry)
+                shutil.rmtree(entry, ignore_errors=True)
+
+    # -- save ------------------------------------------------------------------------------------------------------
+
+    def maybe_save(self, step: int, app_state: Stateful) -> bool:
+        """Save when `step` is a multiple of the interval; otherwise only cheap local checks. True if it saved."""
+        if not self.enabled or self.cfg.interval <= 0 or step % self.cfg.interval:
+            self._raise_if_failed()
+            return False
+        self.save(step, app_state)
+        return True
+
+    def finish(self, step: int, app_state: Stateful) -> None:
+        """Save the last step unless it was just saved, then wait for every async save to commit."""
+        if not self.enabled:
+            return
+        if step > 0 and self.last_saved_step != step:
+            self.save(step, app_state)
+        self.wait()
+        if self._executor is not None:
+            self._executor.shutdown(wait=True)
+            self._executor = None
+
+    def wait(self) -> None:
+        """Block until the pending async save (if any) has committed; re-raise its error."""
+        pending, self._pending = self._pending, None
+        if pending is not None:
+            pending.future.result()
+
+    def _raise_if_failed(self) -> None:
+        if self._pending is not None and self._pending.future.done() and self._pending.future.exception():
+            self.wait()
+
+    def save(self, step: int, app_state: Stateful) -> None:
+        if not self.enabled:
+            return
+        assert self.root is not None
+        self.wait()  # one save in flight at a time; also surfaces a failed async save
+        t0 = time.monotonic()
+        nonce = self._broadcast(uuid.uuid4().hex[:8] if self.rank == 0 else None)
+        tmp = self.root / f"{step_dir_name(step)}.tmp-{nonce}"
+        if self.rank == 0:
+            tmp.mkdir(parents=True)
+        self._broadcast(None)  # the directory exists before any rank writes into it
+        state = app_state.state_dict()
+        if self.cfg.async_save:
+            assert self._executor is not None
+            upload = dcp.async_save(state, checkpoint_id=str(tmp), process_group=self._pg)
+            self._pending = _PendingSave(step, self._executor.submit(self._finish_async, upload, step, tmp))
+        else:
+            dcp.save(state, checkpoint_id=str(tmp))
+            self._commit(step, tmp, group=None)
+        self.last_saved_step = step
+        self.last_save_seconds = time.monotonic() - t0
+        if self.rank == 0:
+            log.info(
+                "checkpoint step %d: %s in %.2fs", step,
+                "staged, writing in the background" if self.cfg.async_save else "committed",
+                self.last_save_seconds,
+            )
+
+    def _finish_async(self, upload: Any, step: int, tmp: Path) -> None:
+        future = getattr(upload, "upload_completion", upload)
+        future.result()
+        self._commit(step, tmp, group=self._pg)
+
+    def _commit(self, step: int, tmp: Path, *, group) -> None:
+        """Hash every rank's shards, then rank 0 writes the manifest and renames the directory into place."""
+        # DCP names each rank's files __<rank>_<n>.distcp and has fsynced them; each rank hashes its own.
+        local = {p.name: _file_entry(p) for p in sorted(tmp.glob(f"__{self.rank}_*.distcp"))}
+        gathered = self._gather(local, group=group)
+        error: str | None = None
+        if self.rank == 0:
+            try:
+                self._write_manifest(step, tmp, gathered)  # type: ignore[arg-type]
+            except OSError as exc:
+                error = f"could not commit checkpoint step {step} in {tmp}: {exc}"
+        error = self._broadcast(error, group=group)  # doubles as the barrier: nobody moves on before the commit
+        if error is not None:
+            raise ShardstackError(error)
+
+    def _write_manifest(self, step: int, tmp: Path, per_rank: list[dict[str, dict[str, Any]]]) -> None:
+        assert self.root is not None
+        files: dict[str, dict[str, Any]] = {}
+        for entries in per_rank:
+            files.update(entries)
+        _fsync_file(tmp / DCP_METADATA)
+        files[DCP_METADATA] = _file_entry(tmp / DCP_METADATA)
+        manifest = {
+            "format": MANIFEST_FORMAT,
+            "step": step,
+            "world_size": self.world_size,
+            "stage": self.stage,
+            "config_hash": self.config_hash,
+            "created": datetime.now(UTC).isoformat(timespec="seconds"),
+            "host": socket.gethostname(),
+            "torch_version": torch.__version__,
+            "files": files,
+            "total_bytes": sum(f["size"] for f in files.values()),
+            "job_config": self.job_config,
+        }
+        _write_json_durable(tmp / MANIFEST, manifest)
+        _fsync_dir(tmp)
+        final = self.root / step_dir_name(step)
+        if final.exists():
+            # Only possible after resuming from an older step (the newer one was invalid, or resume named an older
+            # one): this run's history replaces it.
+            log.warning("replacing existing %s with the checkpoint of this run", final)
+            _remove_tree(final)
+        os.rename(tmp, final)
+        _fsync_dir(self.root)
+        self._prune()
+
+    def _prune(self) -> None:
+        if self.cfg.keep <= 0:
+            return
+        committed = list_checkpoints(self.root)  # type: ignore[arg-type]
+        for _step, path in committed[: -self.cfg.keep]:
+            log.info("removing %s (keep: %d)", path.name, self.cfg.keep)
+            with contextlib.suppress(OSError):
+                _remove_tree(path)
