@@ -1,0 +1,116 @@
+"""`shardstack serve --model DIR`: the inference service (see docs/serving.md)."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import os
+from pathlib import Path
+
+from shardstack.errors import ShardstackError
+
+log = logging.getLogger(__name__)
+
+FAILPOINT_ENV = "SHARDSTACK_SERVE_FAILPOINT"  # test-only fault injection (e.g. engine_hang)
+
+
+def _positive(kind: type) -> object:
+    def parse(text: str) -> int | float:
+        value = kind(text)
+        if value <= 0:
+            raise argparse.ArgumentTypeError(f"must be > 0, got {text}")
+        return value
+
+    parse.__name__ = kind.__name__
+    return parse
+
+
+def register(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("serve", help="OpenAI-compatible inference service for an exported model")
+    p.add_argument("--model", type=Path, required=True, help="exported model dir (model.safetensors + config.json)")
+    p.add_argument("--model-name", default=None, help="name clients pass as `model` (default: the dir's name)")
+    p.add_argument("--host", default="127.0.0.1", help="bind address (default 127.0.0.1)")
+    p.add_argument("--port", type=int, default=8000, help="port (default 8000)")
+    p.add_argument("--max-concurrency", type=_positive(int), default=16,
+                   help="requests decoded together, = KV-cache slots; 1 disables batching (default 16)")
+    p.add_argument("--max-queue", type=int, default=64,
+                   help="requests waiting for a slot before new ones get 429 (default 64)")
+    p.add_argument("--max-tokens", type=_positive(int), default=None,
+                   help="ceiling for a request's max_tokens (default: the model context)")
+    p.add_argument("--max-body-bytes", type=_positive(int), default=1 << 20, help="request body limit (1 MiB)")
+    p.add_argument("--max-prefill-tokens", type=_positive(int), default=4096,
+                   help="padded prompt tokens prefilled in one step (default 4096)")
+    p.add_argument("--token-file", type=Path, default=None,
+                   help="file holding a bearer token required on /v1/* and /info")
+    p.add_argument("--device", default="auto", help="auto (GPU when present) | cpu | cuda | cuda:N")
+    p.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"],
+                   help="weights/KV-cache dtype (auto: bf16 on a GPU that has it, else fp32)")
+    p.add_argument("--threads", type=_positive(int), default=None, help="torch intra-op CPU threads")
+    p.add_argument("--stall-seconds", type=_positive(float), default=30.0,
+                   help="engine loop silent this long = hung: /health 503, no watchdog ping (default 30)")
+    p.add_argument("--drain-seconds", type=float, default=30.0,
+                   help="on SIGTERM, time in-flight requests get to finish (default 30)")
+    p.add_argument("--access-log", action="store_true", help="log every request")
+    p.set_defaults(func=run)
+
+
+def _check_model_dir(path: Path) -> None:
+    if not path.is_dir():
+        raise ShardstackError(f"model directory {path} does not exist",
+                              hint="point --model at the output of `shardstack export`")
+    for name in ("config.json", "model.safetensors"):
+        if not (path / name).is_file():
+            raise ShardstackError(f"{path} has no {name}", hint="point --model at the output of `shardstack export`")
+    try:
+        json.loads((path / "config.json").read_text())
+    except (OSError, ValueError) as exc:
+        raise ShardstackError(f"{path / 'config.json'} is unreadable: {exc}") from None
+
+
+def _read_token(path: Path) -> str:
+    try:
+        token = path.read_text().strip()
+    except OSError as exc:
+        raise ShardstackError(f"cannot read token file {path}: {exc.strerror}") from None
+    if not token or any(c.isspace() for c in token):
+        raise ShardstackError(f"token file {path} must hold one non-empty token without whitespace")
+    return token
+
+
+def run(args: argparse.Namespace) -> int:
+    _check_model_dir(args.model)
+    if args.max_queue < 0:
+        raise ShardstackError("--max-queue must be >= 0")
+    token = _read_token(args.token_file) if args.token_file else None
+    if not 0 < args.port < 65536:
+        raise ShardstackError(f"--port {args.port} is not a valid port")
+
+    import torch  # heavy: only once the arguments are known to be good
+
+    from shardstack.serve.app import ServeSettings, Service
+    from shardstack.serve.server import serve
+
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    failpoint = os.environ.get(FAILPOINT_ENV) or None
+    if failpoint:
+        log.warning("fault injection active: %s=%s", FAILPOINT_ENV, failpoint)
+    settings = ServeSettings(
+        model_dir=args.model,
+        model_name=args.model_name,
+        max_concurrency=args.max_concurrency,
+        max_queue=args.max_queue,
+        max_tokens=args.max_tokens,
+        max_body_bytes=args.max_body_bytes,
+        max_prefill_tokens=args.max_prefill_tokens,
+        token=token,
+        device=args.device,
+        dtype=args.dtype,
+        stall_seconds=args.stall_seconds,
+        drain_seconds=args.drain_seconds,
+        failpoint=failpoint,
+    )
+    level = logging.getLogger().getEffectiveLevel()
+    return serve(Service(settings), args.host, args.port, log_level=logging.getLevelName(level).lower(),
+                 access_log=args.access_log)

@@ -1,0 +1,321 @@
+"""One engine loop that continuously batches concurrent requests on a `GPT` with a `KVCache`.
+
+Each running request owns one KV-cache slot. Every iteration the loop (1) admits waiting requests into free
+slots and prefills them together (prompts right-padded to a common length: the padding writes cache entries
+past each prompt's end, which that row's mask hides and its own decode steps later overwrite), then (2) runs
+one decode step for every running request at its own position. A request leaves the batch the moment it
+finishes, and its slot is reused on the next iteration, so short and long requests never wait for each other.
+
+The loop runs on its own thread (torch releases the GIL inside kernels) and hands results to the caller
+through a callback; the asyncio side wraps it with `loop.call_soon_threadsafe`. `heartbeat` is refreshed on
+every iteration, including idle ones, so a stale heartbeat means the loop is stuck, not merely idle.
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import threading
+import time
+from collections import deque
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import torch
+
+from shardstack.model import GPT, KVCache
+from shardstack.serve.sampling import SamplingParams, make_generator, sample
+from shardstack.serve.text import StopBuffer
+
+log = logging.getLogger(__name__)
+
+FAILPOINT_HANG = "engine_hang"  # test hook: block the loop once a client request is running
+
+
+class QueueFull(Exception):
+    """Admission refused: running + waiting already at capacity."""
+
+
+@dataclass
+class Event:
+    """What the engine reports for a request: released output bytes, and finally a finish reason or error."""
+
+    data: bytes = b""
+    finish_reason: str | None = None  # "stop" | "length" | "abort" once finished
+    error: str | None = None
+    completion_tokens: int = 0
+
+
+@dataclass(eq=False)
+class Sequence:
+    prompt: list[int]
+    max_tokens: int
+    params: SamplingParams
+    stop: list[bytes]
+    emit: Callable[[Event], None]
+    internal: bool = False  # warm-up traffic: not counted in metrics, not subject to failpoints
+    id: int = field(default_factory=itertools.count().__next__)
+    arrived: float = field(default_factory=time.monotonic)
+    slot: int = -1
+    pos: int = 0  # tokens already in the cache
+    last: int = -1  # last sampled token, the next decode input
+    generated: int = 0
+    first_token_at: float | None = None
+    finished: bool = False
+    cancelled: bool = False
+
+    def __post_init__(self) -> None:
+        self.generator = make_generator(self.params.seed)
+        self.out = StopBuffer(self.stop)
+
+
+class EngineMetrics:
+    """Hooks the engine calls; the default does nothing (the app plugs Prometheus in)."""
+
+    def queue_depth(self, running: int, waiting: int) -> None: ...
+    def tokens(self, prompt: int, generated: int) -> None: ...
+    def first_token(self, seconds: float) -> None: ...
+    def step(self, batch: int) -> None: ...
+
+
+class Engine:
+    def __init__(
+        self,
+        model: GPT,
+        *,
+        max_batch: int,
+        max_queue: int,
+        device: torch.device | str,
+        dtype: torch.dtype,
+        max_prefill_tokens: int = 4096,
+        metrics: EngineMetrics | None = None,
+        failpoint: str | None = None,
+    ) -> None:
+        self.model = model
+        self.config = model.config
+        self.context = model.config.seq_len
+        self.max_batch = max_batch
+        self.max_queue = max_queue
+        self.max_prefill_tokens = max_prefill_tokens
+        self.device = torch.device(device)
+        self.cache = KVCache(model.config, max_batch, self.context, dtype=dtype, device=self.device)
+        self.metrics = metrics or EngineMetrics()
+        self.failpoint = failpoint
+        self._free = list(range(max_batch - 1, -1, -1))
+        self._waiting: deque[Sequence] = deque()
+        self._running: list[Sequence] = []
+        self._cond = threading.Condition()
+        self._stop = False
+        self._hang = threading.Event()
+        self.heartbeat = time.monotonic()
+        self.heartbeat_wall = time.time()
+        self.steps = 0
+        self.idle_tick = 0.25
+        self._avg_seconds = 1.0  # EWMA of request time, for Retry-After
+        self._thread = threading.Thread(target=self._run, name="shardstack-engine", daemon=True)
+
+    # ---- caller side (any thread) ----------------------------------------------------------------------
+    def start(self) -> None:
+        self._thread.start()
+
+    def stop(self, timeout: float = 10.0) -> None:
+        with self._cond:
+            self._stop = True
+            self._cond.notify_all()
+        self._hang.set()
+        self._thread.join(timeout)
+
+    def submit(self, seq: Sequence) -> None:
+        """Queue a request, or raise QueueFull when running + waiting has reached capacity."""
+        if len(seq.prompt) + seq.max_tokens > self.context:
+            raise ValueError("prompt + max_tokens exceeds the model context")
+        with self._cond:
+            if len(self._running) + len(self._waiting) >= self.max_batch + self.max_queue:
+                raise QueueFull
+            self._waiting.append(seq)
+            self._report_depth()
+            self._cond.notify()
+
+    def cancel(self, seq: Sequence) -> None:
+        """The client went away: drop the request at the next iteration."""
+        with self._cond:
+            seq.cancelled = True
+            self._cond.notify()
+
+    def abort_all(self, reason: str) -> int:
+        """Finish every queued and running request now (used when a drain runs out of time)."""
+        with self._cond:
+            victims = [*self._waiting, *self._running]
+            for seq in victims:
+                seq.cancelled = True
+            self._cond.notify()
+        for seq in victims:
+            if not seq.finished:
+                seq.emit(Event(finish_reason="abort", error=reason, completion_tokens=seq.generated))
+        return len(victims)
+
+    def counts(self) -> tuple[int, int]:
+        with self._cond:
+            return len(self._running), len(self._waiting)
+
+    def in_flight(self) -> int:
+        running, waiting = self.counts()
+        return running + waiting
+
+    def heartbeat_age(self) -> float:
+        return time.monotonic() - self.heartbeat
+
+    def retry_after(self) -> int:
+        """Seconds a refused client should wait: the queue ahead of it, served max_batch at a time."""
+        _running, waiting = self.counts()
+        est = self._avg_seconds * (1 + waiting / max(1, self.max_batch))
+        return max(1, min(60, round(est)))
+
+    def generate(self, prompt: list[int], max_tokens: int, params: SamplingParams, stop: list[bytes] | None = None,
+                 *, internal: bool = False, timeout: float = 600.0) -> tuple[bytes, str]:
+        """Blocking helper (warm-up, tests): run one request through the loop and return (bytes, finish)."""
+        done = threading.Event()
+        parts: list[bytes] = []
+        result: list[Event] = []
+
+        def emit(ev: Event) -> None:
+            parts.append(ev.data)
+            if ev.finish_reason or ev.error:
+                result.append(ev)
+                done.set()
+
+        self.submit(Sequence(prompt, max_tokens, params, stop or [], emit, internal=internal))
+        if not done.wait(timeout):
+            raise TimeoutError("engine did not finish the request in time")
+        if result[0].error:
+            raise RuntimeError(result[0].error)
+        return b"".join(parts), str(result[0].finish_reason)
+
+    # ---- engine thread -----------------------------------------------------------------------------------
+    def _beat(self) -> None:
+        self.heartbeat = time.monotonic()
+        self.heartbeat_wall = time.time()
+
+    def _report_depth(self) -> None:
+        self.metrics.queue_depth(len(self._running), len(self._waiting))
+
+    def _admit(self) -> list[Sequence]:
+        """Move waiting requests into free slots, bounded by the padded prefill budget. Caller holds the lock."""
+        admitted: list[Sequence] = []
+        longest = 0
+        while self._waiting and self._free:
+            seq = self._waiting[0]
+            if seq.cancelled:
+                self._waiting.popleft()
+                continue
+            longest_if = max(longest, len(seq.prompt))
+            if admitted and (len(admitted) + 1) * longest_if > self.max_prefill_tokens:
+                break
+            self._waiting.popleft()
+            seq.slot = self._free.pop()
+            admitted.append(seq)
+            self._running.append(seq)
+            longest = longest_if
+        return admitted
+
+    def _run(self) -> None:
+        log.info("engine loop started: %d slots x %d tokens on %s", self.max_batch, self.context, self.device)
+        while True:
+            with self._cond:
+                self._beat()
+                self._retire()
+                while not self._stop and not self._running and not any(not s.cancelled for s in self._waiting):
+                    self._waiting.clear()
+                    self._report_depth()
+                    self._cond.wait(self.idle_tick)
+                    self._beat()
+                if self._stop:
+                    return
+                admitted = self._admit()
+                batch = [s for s in self._running if not s.cancelled]
+                self._report_depth()
+            if self.failpoint == FAILPOINT_HANG and any(not s.internal for s in batch):
+                log.warning("failpoint %s: engine loop blocks now", FAILPOINT_HANG)
+                self._hang.wait()  # released only by stop()
+                return
+            try:
+                with torch.inference_mode():
+                    fresh = [s for s in admitted if not s.cancelled]
+                    if fresh:
+                        self._prefill(fresh)
+                    decoding = [s for s in batch if not s.finished]  # fresh ones too: their 2nd token
+                    if decoding:
+                        self._decode(decoding)
+                self.steps += 1
+                self.metrics.step(len(batch))
+            except Exception as exc:  # a fault of the engine (e.g. device OOM): fail this batch, keep serving
+                log.exception("engine step failed; failing %d request(s)", len(batch))
+                for seq in batch:
+                    if not seq.finished:
+                        seq.finished = True
+                        seq.emit(Event(error=f"engine error: {type(exc).__name__}", completion_tokens=seq.generated))
+
+    def _retire(self) -> None:
+        """Free the slots of finished or cancelled requests. Caller holds the lock."""
+        keep = []
+        for seq in self._running:
+            if seq.finished or seq.cancelled:
+                self._free.append(seq.slot)
+                if seq.finished and not seq.internal:
+                    self._avg_seconds = 0.8 * self._avg_seconds + 0.2 * (time.monotonic() - seq.arrived)
+            else:
+                keep.append(seq)
+        self._running = keep
+
+    def _prefill(self, seqs: list[Sequence]) -> None:
+        longest = max(len(s.prompt) for s in seqs)
+        idx = torch.zeros(len(seqs), longest, dtype=torch.long)
+        for row, seq in enumerate(seqs):
+            idx[row, : len(seq.prompt)] = torch.tensor(seq.prompt)
+        logits = self.model(
+            idx.to(self.device),
+            cache=self.cache,
+            slots=torch.tensor([s.slot for s in seqs], device=self.device),
+            positions=torch.zeros(len(seqs), dtype=torch.long, device=self.device),
+        )
+        last = torch.tensor([len(s.prompt) - 1 for s in seqs], device=self.device)
+        rows = logits[torch.arange(len(seqs), device=self.device), last]
+        for seq in seqs:
+            seq.pos = len(seq.prompt)
+            if not seq.internal:
+                self.metrics.tokens(len(seq.prompt), 0)
+        self._sample_and_emit(seqs, rows)
+
+    def _decode(self, seqs: list[Sequence]) -> None:
+        logits = self.model(
+            torch.tensor([[s.last] for s in seqs], device=self.device),
+            cache=self.cache,
+            slots=torch.tensor([s.slot for s in seqs], device=self.device),
+            positions=torch.tensor([s.pos for s in seqs], device=self.device),
+        )
+        for seq in seqs:
+            seq.pos += 1
+        self._sample_and_emit(seqs, logits[:, -1])
+
+    def _sample_and_emit(self, seqs: list[Sequence], logits: torch.Tensor) -> None:
+        tokens = sample(logits.float().cpu(), [s.params for s in seqs], [s.generator for s in seqs])
+        now = time.monotonic()
+        for seq, token in zip(seqs, tokens, strict=True):
+            if seq.cancelled:
+                continue
+            seq.last = token
+            seq.generated += 1
+            if seq.first_token_at is None:
+                seq.first_token_at = now
+                if not seq.internal:
+                    self.metrics.first_token(now - seq.arrived)
+            if not seq.internal:
+                self.metrics.tokens(0, 1)
+            data, stopped = seq.out.push(token)
+            finish = "stop" if stopped else "length" if seq.generated >= seq.max_tokens else None
+            if finish == "length":
+                data += seq.out.flush()
+            if finish:
+                seq.finished = True
+            if data or finish:
+                seq.emit(Event(data=data, finish_reason=finish, completion_tokens=seq.generated))
