@@ -18,6 +18,7 @@ from shardstack.errors import ShardstackError
 _COMMAND_MODULES: list[tuple[str, str, str]] = [
     ("lab", "shardstack.lab.cli", "local lab of systemd-nspawn nodes"),
     ("deploy", "shardstack.ops.cli", "run site.yml (or parts of it) through ansible-runner"),
+    ("serve", "shardstack.serve.cli", "OpenAI-compatible inference service for an exported model"),
     ("checkpoint", "shardstack.checkpoint_cli", "list and verify training checkpoints"),
     ("export", "shardstack.checkpoint_cli", "consolidate a checkpoint into safetensors for serving"),
     ("demo", "shardstack.ops.cli", "the lab end to end: lab up, site.yml, summary"),

@@ -99,7 +99,9 @@ class _LayerCache:
         self.k[self.rows, :, self.cols] = k.transpose(1, 2)
         self.v[self.rows, :, self.cols] = v.transpose(1, 2)
         slots = self.rows[:, 0]
-        return self.k[slots, :, : self.length], self.v[slots, :, : self.length], self.mask
+        # index_select on the sliced view copies only the live prefix (several times faster than fancy indexing).
+        k = self.k[:, :, : self.length].index_select(0, slots)
+        return k, self.v[:, :, : self.length].index_select(0, slots), self.mask
 
 
 class MLP(nn.Module):
