@@ -18,9 +18,13 @@ from shardstack.errors import ShardstackError
 _COMMAND_MODULES: list[tuple[str, str, str]] = [
     ("lab", "shardstack.lab.cli", "local lab of systemd-nspawn nodes"),
     ("deploy", "shardstack.ops.cli", "run site.yml (or parts of it) through ansible-runner"),
-    ("serve", "shardstack.serve.cli", "OpenAI-compatible inference service for an exported model"),
+    ("data", "shardstack.train_cli", "prepare token shards for training"),
+    ("train", "shardstack.train_cli", "run a sharded training job (ZeRO stage 0-3)"),
+    ("estimate", "shardstack.train_cli", "predict per-rank training memory for each ZeRO stage"),
     ("checkpoint", "shardstack.checkpoint_cli", "list and verify training checkpoints"),
     ("export", "shardstack.checkpoint_cli", "consolidate a checkpoint into safetensors for serving"),
+    ("serve", "shardstack.serve.cli", "OpenAI-compatible inference service for an exported model"),
+    ("wheelhouse", "shardstack.ops.wheelhouse", "build the offline wheelhouse the nodes install shardstack from"),
     ("demo", "shardstack.ops.cli", "the lab end to end: lab up, site.yml, summary"),
 ]
 

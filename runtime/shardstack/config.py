@@ -1,0 +1,302 @@
+"""The job configuration: one typed object, loaded from YAML, validated with errors that name the key.
+
+Every field has a documented default (docs/runtime.md lists them). Unknown keys are errors with a "did you mean"
+suggestion; wrong types and values outside the allowed set name the full dotted key and what is allowed.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import difflib
+import hashlib
+import json
+import types
+import typing
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Literal
+
+import yaml
+
+from shardstack.errors import ShardstackError
+
+
+@dataclass
+class ModelConfig:
+    size: str = "small"  # a key of shardstack.model.PRESETS; the fields below override it
+    n_layer: int | None = None
+    n_head: int | None = None
+    d_model: int | None = None
+    seq_len: int | None = None
+    mlp_ratio: int | None = None
+    vocab_size: int | None = None
+    dropout: float | None = None
+    bias: bool | None = None
+    tie_embeddings: bool | None = None
+    # A user model instead of the built-in GPT: "package.module:factory", called as factory(**factory_kwargs).
+    # It must return an nn.Module whose forward(idx, targets) returns the mean loss and with `blocks` (its shard units).
+    factory: str | None = None
+    factory_kwargs: dict[str, Any] = field(default_factory=dict)
+
+
+@dataclass
+class DataConfig:
+    path: str | None = None  # a directory written by `shardstack data prepare`
+    shuffle: bool = True  # a seeded permutation per epoch; False reads windows in order
+
+
+@dataclass
+class EngineConfig:
+    stage: Literal[0, 1, 2, 3] = 3  # 0 DDP, 1 DDP+ZeroRedundancyOptimizer, 2/3 FSDP2 without/with reshard
+    offload: Literal["none", "cpu"] = "none"  # cpu: FSDP2 CPUOffloadPolicy (stages 2 and 3 only)
+    precision: Literal["fp32", "bf16", "fp16"] = "fp32"
+    prefetch: int = 1  # FSDP2: how many blocks ahead to all-gather (1 = FSDP2's implicit prefetch)
+    reshard_group: int | None = None  # stage 3: reshard to groups of this many ranks after forward (e.g. per node)
+    bucket_mb: float = 25.0  # DDP gradient bucket size (stages 0 and 1)
+    accumulation_sync: Literal["last", "every"] = "last"  # reduce gradients on the last micro-batch or every one
+    device: Literal["auto", "cpu", "cuda"] = "auto"
+
+
+@dataclass
+class OptimizerConfig:
+    name: Literal["adamw"] = "adamw"
+    lr: float = 3e-4
+    betas: list[float] = field(default_factory=lambda: [0.9, 0.95])
+    eps: float = 1e-8
+    weight_decay: float = 0.1
+    grad_clip: float | None = 1.0  # global L2 norm across all shards; null or 0 = off
+
+
+@dataclass
+class ScheduleConfig:
+    warmup_steps: int = 100  # linear warm-up from 0 to optimizer.lr
+    total_steps: int = 1000  # cosine decay ends here; also the default number of steps to train
+    min_lr_ratio: float = 0.1  # the cosine ends at lr × min_lr_ratio
+
+
+@dataclass
+class BatchConfig:
+    global_batch: int = 16  # sequences per optimizer step, over all ranks
+    micro_batch: int | Literal["auto"] = 4  # sequences per rank per forward/backward
+    accumulation: int | None = None  # derived as global / (micro × world); if set, it must agree
+    cpu_memory_budget_mb: int | None = None  # micro_batch auto on CPU: budget per rank (default: half the free RAM)
+
+
+@dataclass
+class CheckpointConfig:
+    dir: str | None = None
+    interval: int = 100
+    keep: int = 3
+    resume: str = "auto"  # "auto" | "never" | a step directory path
+    async_save: bool = False
+
+
+@dataclass
+class MetricsConfig:
+    port: int | None = 9400  # rank 0 serves Prometheus here; 0 or null = off
+    log_every: int = 1  # a JSON line and a progress line every N steps
+    peak_tflops: float | None = None  # MFU denominator per device; null = known GPU table, or a CPU matmul probe
+    json_log: str | None = None  # also append the JSON lines to this file (rank 0)
+
+
+@dataclass
+class JobConfig:
+    model: ModelConfig = field(default_factory=ModelConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    engine: EngineConfig = field(default_factory=EngineConfig)
+    optimizer: OptimizerConfig = field(default_factory=OptimizerConfig)
+    schedule: ScheduleConfig = field(default_factory=ScheduleConfig)
+    batch: BatchConfig = field(default_factory=BatchConfig)
+    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+    metrics: MetricsConfig = field(default_factory=MetricsConfig)
+    seed: int = 1337
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+    def config_hash(self) -> str:
+        """Hash of what defines the run's math (model, data, optimizer, schedule, global batch, seed).
+
+        Engine layout, micro-batch, checkpoint and metrics settings are left out on purpose: a checkpoint may be
+        resumed with another stage, world size or micro-batch and continue the same run.
+        """
+        d = self.to_dict()
+        key = {k: d[k] for k in ("model", "data", "optimizer", "schedule", "seed")}
+        key["global_batch"] = d["batch"]["global_batch"]
+        return hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:16]
+
+
+# Checks beyond the type: (predicate, description of what is allowed).
+_CHECKS: dict[str, tuple[typing.Callable[[Any], bool], str]] = {
+    "model.n_layer": (lambda v: v is None or v >= 1, "an integer ≥ 1"),
+    "model.n_head": (lambda v: v is None or v >= 1, "an integer ≥ 1"),
+    "model.d_model": (lambda v: v is None or v >= 1, "an integer ≥ 1"),
+    "model.seq_len": (lambda v: v is None or v >= 2, "an integer ≥ 2"),
+    "model.vocab_size": (lambda v: v is None or v >= 2, "an integer ≥ 2"),
+    "model.dropout": (lambda v: v is None or 0 <= v < 1, "a number in [0, 1)"),
+    "engine.prefetch": (lambda v: v >= 1, "an integer ≥ 1"),
+    "engine.reshard_group": (lambda v: v is None or v >= 1, "an integer ≥ 1 or null"),
+    "engine.bucket_mb": (lambda v: v > 0, "a number > 0"),
+    "optimizer.lr": (lambda v: v > 0, "a number > 0"),
+    "optimizer.betas": (lambda v: len(v) == 2 and all(0 <= b < 1 for b in v), "two numbers in [0, 1)"),
+    "optimizer.eps": (lambda v: v > 0, "a number > 0"),
+    "optimizer.weight_decay": (lambda v: v >= 0, "a number ≥ 0"),
+    "optimizer.grad_clip": (lambda v: v is None or v >= 0, "a number ≥ 0 or null"),
+    "schedule.warmup_steps": (lambda v: v >= 0, "an integer ≥ 0"),
+    "schedule.total_steps": (lambda v: v >= 1, "an integer ≥ 1"),
+    "schedule.min_lr_ratio": (lambda v: 0 <= v <= 1, "a number in [0, 1]"),
+    "batch.global_batch": (lambda v: v >= 1, "an integer ≥ 1"),
+    "batch.micro_batch": (lambda v: v == "auto" or v >= 1, "an integer ≥ 1 or 'auto'"),
+    "batch.accumulation": (lambda v: v is None or v >= 1, "an integer ≥ 1 or null"),
+    "batch.cpu_memory_budget_mb": (lambda v: v is None or v >= 1, "an integer ≥ 1 or null"),
+    "checkpoint.interval": (lambda v: v >= 1, "an integer ≥ 1"),
+    "checkpoint.keep": (lambda v: v >= 1, "an integer ≥ 1"),
+    "metrics.port": (lambda v: v is None or 0 <= v <= 65535, "a port number 0–65535 or null"),
+    "metrics.log_every": (lambda v: v >= 1, "an integer ≥ 1"),
+    "metrics.peak_tflops": (lambda v: v is None or v > 0, "a number > 0 or null"),
+}
+
+
+def _describe(tp: Any) -> str:
+    origin = typing.get_origin(tp)
+    if origin is Literal:
+        return "one of " + ", ".join(repr(a) for a in typing.get_args(tp))
+    if origin in (typing.Union, types.UnionType):
+        return " or ".join(_describe(a) for a in typing.get_args(tp))
+    if tp is type(None):
+        return "null"
+    if origin is list:
+        return f"a list of {_describe(typing.get_args(tp)[0])}"
+    if origin is dict or tp is dict:
+        return "a mapping"
+    return {int: "an integer", float: "a number", bool: "true/false", str: "a string"}.get(tp, str(tp))
+
+
+def _coerce(value: Any, tp: Any, key: str) -> Any:
+    """Return `value` checked against the annotation `tp`, or raise naming `key`."""
+    origin = typing.get_origin(tp)
+    if origin in (typing.Union, types.UnionType):
+        for arg in typing.get_args(tp):
+            try:
+                return _coerce(value, arg, key)
+            except ShardstackError:
+                continue
+    elif origin is Literal:
+        # bool is an int in Python: `stage: true` must not pass as 1.
+        if any(value == a and type(value) is type(a) for a in typing.get_args(tp)):
+            return value
+    elif tp is type(None):
+        if value is None:
+            return None
+    elif origin is list:
+        if isinstance(value, list | tuple):
+            return [_coerce(v, typing.get_args(tp)[0], f"{key}[{i}]") for i, v in enumerate(value)]
+    elif origin is dict or tp is dict:
+        if isinstance(value, dict):
+            return dict(value)
+    elif tp is bool:
+        if isinstance(value, bool):
+            return value
+    elif tp is int:
+        if isinstance(value, int) and not isinstance(value, bool):
+            return value
+    elif tp is float:
+        if isinstance(value, int | float) and not isinstance(value, bool):
+            return float(value)
+        if isinstance(value, str):  # YAML 1.1 reads `3e-4` (no dot) as a string
+            with contextlib.suppress(ValueError):
+                return float(value)
+    elif tp is str:
+        if isinstance(value, str):
+            return value
+    raise ShardstackError(f"config key '{key}' is {value!r}; expected {_describe(tp)}")
+
+
+def _build(cls: type, data: Any, prefix: str) -> Any:
+    if not isinstance(data, dict):
+        where = f"section '{prefix}'" if prefix else "the config"
+        raise ShardstackError(f"{where} must be a mapping, got {type(data).__name__}")
+    hints = typing.get_type_hints(cls)
+    names = [f.name for f in dataclasses.fields(cls)]
+    for key in data:
+        if key not in names:
+            dotted = f"{prefix}.{key}" if prefix else str(key)
+            close = difflib.get_close_matches(str(key), names, n=1, cutoff=0.6)
+            hint = f"did you mean '{prefix + '.' if prefix else ''}{close[0]}'?" if close else (
+                "allowed keys: " + ", ".join(names))
+            raise ShardstackError(f"unknown config key '{dotted}'", hint=hint)
+    kwargs: dict[str, Any] = {}
+    for name in names:
+        if name not in data:
+            continue
+        dotted = f"{prefix}.{name}" if prefix else name
+        tp = hints[name]
+        if dataclasses.is_dataclass(tp):
+            kwargs[name] = _build(tp, data[name] if data[name] is not None else {}, dotted)
+            continue
+        value = _coerce(data[name], tp, dotted)
+        check = _CHECKS.get(dotted)
+        if check and not check[0](value):
+            raise ShardstackError(f"config key '{dotted}' is {value!r}; expected {check[1]}")
+        kwargs[name] = value
+    return cls(**kwargs)
+
+
+def _cross_checks(cfg: JobConfig) -> None:
+    from shardstack.model import PRESETS
+
+    if cfg.model.factory is None and cfg.model.size not in PRESETS:
+        close = difflib.get_close_matches(cfg.model.size, list(PRESETS), n=1)
+        raise ShardstackError(
+            f"config key 'model.size' is {cfg.model.size!r}; expected one of {', '.join(PRESETS)}",
+            hint=f"did you mean '{close[0]}'?" if close else None,
+        )
+    if cfg.model.factory is not None and ":" not in cfg.model.factory:
+        raise ShardstackError(f"config key 'model.factory' is {cfg.model.factory!r}; expected 'package.module:function'")
+    if cfg.engine.offload == "cpu" and cfg.engine.stage < 2:
+        raise ShardstackError(
+            f"config key 'engine.offload' is 'cpu' but engine.stage is {cfg.engine.stage}",
+            hint="CPU offload shards through FSDP2: use engine.stage 2 or 3, or offload: none",
+        )
+    if cfg.engine.reshard_group is not None and cfg.engine.stage != 3:
+        raise ShardstackError("config key 'engine.reshard_group' applies to engine.stage 3 only")
+    if cfg.schedule.warmup_steps > cfg.schedule.total_steps:
+        raise ShardstackError(
+            f"config key 'schedule.warmup_steps' ({cfg.schedule.warmup_steps}) exceeds schedule.total_steps "
+            f"({cfg.schedule.total_steps})"
+        )
+
+
+def config_from_dict(data: dict[str, Any] | None) -> JobConfig:
+    cfg = _build(JobConfig, data or {}, "")
+    _cross_checks(cfg)
+    return cfg
+
+
+def load_config(path: str | Path) -> JobConfig:
+    path = Path(path)
+    try:
+        text = path.read_text()
+    except OSError as exc:
+        raise ShardstackError(f"cannot read config {path}: {exc.strerror}") from None
+    try:
+        data = yaml.safe_load(text)
+    except yaml.YAMLError as exc:
+        mark = getattr(exc, "problem_mark", None)
+        where = f" at line {mark.line + 1}, column {mark.column + 1}" if mark else ""
+        raise ShardstackError(f"{path} is not valid YAML{where}") from None
+    return config_from_dict(data)
+
+
+def model_config_dict(cfg: ModelConfig) -> dict[str, Any]:
+    """The GPTConfig fields for `cfg`: the preset's values with the explicit overrides applied."""
+    from shardstack.model import PRESETS
+
+    out: dict[str, Any] = dict(PRESETS[cfg.size])
+    for name in ("n_layer", "n_head", "d_model", "seq_len", "mlp_ratio", "vocab_size", "dropout", "bias",
+                 "tie_embeddings"):
+        value = getattr(cfg, name)
+        if value is not None:
+            out[name] = value
+    return out

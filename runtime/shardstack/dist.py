@@ -1,0 +1,79 @@
+"""Process-group setup: GPU + NCCL when CUDA is present, CPU + gloo otherwise; under torchrun or alone.
+
+Alone (no RANK/WORLD_SIZE in the environment) it still creates a 1-process group on an in-memory store, so FSDP2,
+DCP and every collective behave exactly as in a multi-process job.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+
+from shardstack.errors import ShardstackError
+
+log = logging.getLogger("shardstack.dist")
+
+
+@dataclass(frozen=True)
+class DistInfo:
+    rank: int
+    world_size: int
+    local_rank: int
+    device: torch.device
+    backend: str
+
+    @property
+    def is_main(self) -> bool:
+        return self.rank == 0
+
+    def mesh(self) -> DeviceMesh:
+        """A 1-D mesh over all ranks (FSDP2's data-parallel dimension)."""
+        return init_device_mesh(self.device.type, (self.world_size,))
+
+
+def _pick_device(prefer: str, local_rank: int) -> tuple[torch.device, str, str]:
+    if prefer in ("auto", "cuda") and torch.cuda.is_available():
+        if local_rank >= torch.cuda.device_count():
+            raise ShardstackError(
+                f"local rank {local_rank} has no GPU: this node shows {torch.cuda.device_count()} CUDA device(s)",
+                hint="start torchrun with --nproc-per-node equal to the number of GPUs",
+            )
+        torch.cuda.set_device(local_rank)
+        return torch.device("cuda", local_rank), "nccl", torch.cuda.get_device_name(local_rank)
+    if prefer == "cuda":
+        raise ShardstackError("engine.device is 'cuda' but no CUDA device is available", hint="use device: auto")
+    why = "engine.device is 'cpu'" if prefer == "cpu" else "no CUDA device found"
+    return torch.device("cpu"), "gloo", why
+
+
+def init_distributed(device: str = "auto") -> DistInfo:
+    """Join (or create) the default process group and pick this rank's device. Idempotent."""
+    env = os.environ
+    under_launcher = "RANK" in env and "WORLD_SIZE" in env
+    rank = int(env.get("RANK", 0))
+    world = int(env.get("WORLD_SIZE", 1))
+    local_rank = int(env.get("LOCAL_RANK", rank))
+    dev, backend, what = _pick_device(device, local_rank)
+    if not dist.is_initialized():
+        if under_launcher:
+            dist.init_process_group(backend, device_id=dev if dev.type == "cuda" else None)
+        else:
+            dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1)
+    else:
+        backend = dist.get_backend()
+    info = DistInfo(rank=dist.get_rank(), world_size=dist.get_world_size(), local_rank=local_rank, device=dev,
+                    backend=backend)
+    if info.is_main:
+        kind = "GPU+NCCL" if backend == "nccl" else "CPU+gloo"
+        log.info("shardstack: %s, world size %d, rank 0 on %s (%s)", kind, info.world_size, dev, what)
+    return info
+
+
+def shutdown() -> None:
+    if dist.is_initialized():
+        dist.destroy_process_group()

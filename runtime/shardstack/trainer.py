@@ -1,0 +1,256 @@
+"""The training loop: a thin driver around the engine, data, metrics and checkpoint components.
+
+Per step it logs one JSON line on stdout (rank 0: step, loss, lr, tokens/s, step seconds, MFU against the stated
+peak, memory) and a human progress line on the log, updates the Prometheus gauges, and offers the step to the
+checkpointer. After the first step it logs the estimator's per-rank bytes next to the measured local shards.
+"""
+
+from __future__ import annotations
+
+import importlib
+import json
+import logging
+import math
+import random
+import resource
+import sys
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+import torch
+from torch import nn
+
+from shardstack.config import JobConfig, ModelConfig, model_config_dict
+from shardstack.data import Batches, GlobalSampler, TokenDataset
+from shardstack.dist import DistInfo, init_distributed
+from shardstack.engine import Engine, build_engine
+from shardstack.errors import ShardstackError
+from shardstack.estimate import estimate_stage
+from shardstack.metrics import TrainMetrics, peak_tflops
+
+log = logging.getLogger("shardstack.trainer")
+
+
+def build_model(cfg: ModelConfig) -> nn.Module:
+    """The built-in GPT from preset + overrides, or the user's `module:factory(**factory_kwargs)`."""
+    if cfg.factory:
+        mod_name, _, fn_name = cfg.factory.partition(":")
+        try:
+            factory = getattr(importlib.import_module(mod_name), fn_name)
+        except (ImportError, AttributeError) as exc:
+            raise ShardstackError(f"config key 'model.factory': cannot load {cfg.factory!r} ({exc})") from None
+        model = factory(**cfg.factory_kwargs)
+        if not isinstance(model, nn.Module):
+            raise ShardstackError(f"model.factory {cfg.factory!r} returned {type(model).__name__}, not an nn.Module")
+        return model
+    from shardstack.model import GPT, GPTConfig
+
+    try:
+        return GPT(GPTConfig(**model_config_dict(cfg)))
+    except ValueError as exc:
+        raise ShardstackError(f"config section 'model': {exc}") from None
+
+
+def lr_lambda(schedule_warmup: int, total: int, min_ratio: float):
+    def f(step: int) -> float:  # LambdaLR calls it with the number of finished steps
+        if step < schedule_warmup:
+            return (step + 1) / (schedule_warmup + 1)
+        progress = min(1.0, (step - schedule_warmup) / max(1, total - schedule_warmup))
+        return min_ratio + (1 - min_ratio) * 0.5 * (1 + math.cos(math.pi * progress))
+
+    return f
+
+
+class TrainState:
+    """What a checkpoint holds (torch.distributed.checkpoint Stateful): model/optimizer from the engine, scheduler,
+    step, RNG and the sampler's global position."""
+
+    def __init__(self, engine: Engine, scheduler: torch.optim.lr_scheduler.LRScheduler, sampler: GlobalSampler):
+        self.engine, self.scheduler, self.sampler = engine, scheduler, sampler
+        self.step = 0
+
+    def state_dict(self) -> dict[str, Any]:
+        sd = self.engine.state_dict()
+        return {
+            "model": sd["model"],
+            "optimizer": sd["optimizer"],
+            "scheduler": self.scheduler.state_dict(),
+            "step": self.step,
+            # Rank 0's generators (plain values are saved once): with dropout 0, the default, nothing draws from them.
+            "rng": {"torch": torch.get_rng_state(), "numpy": np.random.get_state(), "python": random.getstate()},
+            "data": self.sampler.state_dict(),
+        }
+
+    def load_state_dict(self, sd: dict[str, Any]) -> None:
+        self.engine.load_state_dict({"model": sd["model"], "optimizer": sd["optimizer"]})
+        self.scheduler.load_state_dict(sd["scheduler"])
+        self.step = int(sd["step"])
+        rng = sd["rng"]
+        torch.set_rng_state(rng["torch"])
+        np.random.set_state(rng["numpy"])
+        random.setstate(rng["python"])
+        self.sampler.load_state_dict(sd["data"])
+
+
+@dataclass
+class TrainResult:
+    steps: list[int] = field(default_factory=list)
+    losses: list[float] = field(default_factory=list)
+    final_step: int = 0
+    start_step: int = 0
+    tokens_per_second: float = 0.0  # mean over the steps after the first (which pays for warm-up)
+    micro_batch: int = 0
+    accumulation: int = 0
+    memory_measured: dict[str, int] | None = None
+    memory_estimated: dict[str, int] | None = None
+
+
+def _resident_bytes(device: torch.device) -> int:
+    if device.type == "cuda":
+        return torch.cuda.max_memory_allocated(device)
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+
+
+def resolve_batch(cfg: JobConfig, world: int, micro: int) -> int:
+    per_rank, rem = divmod(cfg.batch.global_batch, world)
+    if rem:
+        raise ShardstackError(f"batch.global_batch ({cfg.batch.global_batch}) is not divisible by the world size "
+                              f"({world})")
+    if per_rank % micro:
+        raise ShardstackError(f"batch.micro_batch ({micro}) does not divide the per-rank batch ({per_rank})",
+                              hint="pick a divisor, or micro_batch: auto")
+    accum = per_rank // micro
+    if cfg.batch.accumulation is not None and cfg.batch.accumulation != accum:
+        raise ShardstackError(
+            f"config key 'batch.accumulation' is {cfg.batch.accumulation}, but global_batch {cfg.batch.global_batch}"
+            f" / (micro_batch {micro} × world size {world}) = {accum}",
+            hint="leave batch.accumulation unset to derive it")
+    return accum
+
+
+def _open_checkpointer(cfg: JobConfig, dist_info: DistInfo):
+    if not cfg.checkpoint.dir:
+        return None
+    try:
+        from shardstack.checkpoint import Checkpointer
+    except ImportError as exc:
+        raise ShardstackError(f"checkpoint.dir is set but shardstack.checkpoint is unavailable ({exc})") from None
+    return Checkpointer(cfg.checkpoint, config_hash=cfg.config_hash(), dist=dist_info, stage=cfg.engine.stage,
+                        job_config=cfg.to_dict())
+
+
+def train(cfg: JobConfig, max_steps: int | None = None, *, out=None) -> TrainResult:
+    """Train until schedule.total_steps (or `max_steps` more steps). Works alone or under torchrun."""
+    out = out or sys.stdout
+    info = init_distributed(cfg.engine.device)
+    random.seed(cfg.seed)
+    np.random.seed(cfg.seed)
+    torch.manual_seed(cfg.seed)  # the same initial weights on every rank
+    build_on = torch.device("cpu") if cfg.engine.offload == "cpu" else info.device
+    with build_on:
+        model = build_model(cfg.model)
+    seq_len = getattr(getattr(model, "config", None), "seq_len", None)
+    if seq_len is None:
+        raise ShardstackError("the model has no config.seq_len: the data windows need it")
+    if not cfg.data.path:
+        raise ShardstackError("config key 'data.path' is not set",
+                              hint="run `shardstack data prepare --out DIR` and set data.path: DIR")
+    dataset = TokenDataset(cfg.data.path, seq_len)
+    model_vocab = getattr(model.config, "vocab_size", dataset.vocab_size)
+    if dataset.vocab_size > model_vocab:
+        raise ShardstackError(f"data vocabulary ({dataset.vocab_size}) exceeds model.vocab_size ({model_vocab})")
+    flops_per_token = model.flops_per_token() if hasattr(model, "flops_per_token") else \
+        6 * sum(p.numel() for p in model.parameters())
+
+    engine = build_engine(model, cfg.engine, cfg.optimizer, info)
+    if cfg.batch.micro_batch == "auto":
+        from shardstack.autobatch import find_micro_batch
+
+        micro = find_micro_batch(cfg, engine, seq_len, model_vocab)
+    else:
+        micro = cfg.batch.micro_batch
+    accum = resolve_batch(cfg, info.world_size, micro)
+    torch.manual_seed(cfg.seed + info.rank)  # per-rank streams from here on (dropout)
+
+    sampler = GlobalSampler(len(dataset), global_batch=cfg.batch.global_batch, world_size=info.world_size,
+                            rank=info.rank, seed=cfg.seed, shuffle=cfg.data.shuffle)
+    batches = Batches(dataset, sampler, micro, info.device)
+    s = cfg.schedule
+    scheduler = torch.optim.lr_scheduler.LambdaLR(engine.optimizer, lr_lambda(s.warmup_steps, s.total_steps,
+                                                                              s.min_lr_ratio))
+    state = TrainState(engine, scheduler, sampler)
+    ckpt = _open_checkpointer(cfg, info)
+    start = ckpt.resume(state) if ckpt else 0
+    state.step = start
+    end = s.total_steps if max_steps is None else min(s.total_steps, start + max_steps)
+
+    peak, peak_src = peak_tflops(info.device, cfg.metrics.peak_tflops)
+    metrics = TrainMetrics(cfg.metrics.port) if info.is_main and cfg.metrics.port else None
+    json_log = open(cfg.metrics.json_log, "a") if info.is_main and cfg.metrics.json_log else None  # noqa: SIM115
+    tokens_per_step = cfg.batch.global_batch * seq_len
+    if info.is_main:
+        log.info("stage %d, precision %s, offload %s, global batch %d = micro %d × accumulation %d × world %d; "
+                 "steps %d→%d; MFU against %.1f TFLOP/s per device (%s)", engine.stage, cfg.engine.precision,
+                 cfg.engine.offload, cfg.batch.global_batch, micro, accum, info.world_size, start, end, peak, peak_src)
+    result = TrainResult(start_step=start, final_step=start, micro_batch=micro, accumulation=accum)
+    rates: list[float] = []
+    try:
+        for step in range(start + 1, end + 1):
+            t0 = time.perf_counter()
+            loss = engine.forward_backward(batches.next_step())
+            stats = engine.step(measure=step == start + 1)
+            scheduler.step()
+            if info.device.type == "cuda":
+                torch.cuda.synchronize(info.device)
+            dt = time.perf_counter() - t0
+            state.step = step
+            tps = tokens_per_step / dt
+            if step > start + 1:
+                rates.append(tps)
+            mfu = flops_per_token * tps / (peak * 1e12 * info.world_size)
+            result.steps.append(step)
+            result.losses.append(loss)
+            result.final_step = step
+            if step == start + 1:
+                _log_memory(cfg, engine, micro, seq_len, accum, result)
+            if metrics:
+                metrics.update(step=step, loss=loss, step_seconds=dt, tokens_per_second=tps, mfu=mfu)
+            if info.is_main and (step % cfg.metrics.log_every == 0 or step == end):
+                rec = {"step": step, "loss": round(loss, 6), "lr": scheduler.get_last_lr()[0],
+                       "tokens_per_second": round(tps, 1), "step_seconds": round(dt, 4), "mfu": round(mfu, 5),
+                       "grad_norm": None if stats.grad_norm is None else round(stats.grad_norm, 5),
+                       "skipped": stats.skipped, "memory_bytes": _resident_bytes(info.device)}
+                line = json.dumps(rec)
+                print(line, file=out, flush=True)
+                if json_log:
+                    json_log.write(line + "\n")
+                    json_log.flush()
+                log.info("step %d/%d loss %.4f lr %.2e %.0f tok/s %.3fs/step MFU %.2f%%", step, end, loss,
+                         rec["lr"], tps, dt, 100 * mfu)
+            if ckpt:
+                ckpt.maybe_save(step, state)
+        if ckpt:
+            ckpt.finish(state.step, state)
+    finally:
+        if metrics:
+            metrics.close()
+        if json_log:
+            json_log.close()
+    result.tokens_per_second = sum(rates) / len(rates) if rates else 0.0
+    return result
+
+
+def _log_memory(cfg: JobConfig, engine: Engine, micro: int, seq_len: int, accum: int, result: TrainResult) -> None:
+    measured = engine.last_memory or engine.memory_breakdown()
+    est = estimate_stage(engine.module, engine.cfg, engine.stage, engine.dist.world_size, engine.dist.rank,
+                         weight_decay=cfg.optimizer.weight_decay, micro_batch=micro, seq_len=seq_len,
+                         accumulation=accum)
+    result.memory_measured = measured
+    result.memory_estimated = {"params": est.params, "grads": est.grads, "optimizer": est.optimizer,
+                               "total": est.total, "peak": est.peak}
+    if engine.dist.is_main:
+        log.info("memory rank 0 (params+grads+optimizer): estimated %.2f MiB, measured %.2f MiB (ratio %.3f); "
+                 "estimated peak %.2f MiB", est.total / 2**20, measured["total"] / 2**20,
+                 measured["total"] / est.total if est.total else float("nan"), est.peak / 2**20)
