@@ -248,6 +248,9 @@ class Engine:
                         self._decode(decoding)
                 self.steps += 1
                 self.metrics.step(len(batch))
+                with self._cond:
+                    self._retire()
+                    self._report_depth()
             except Exception as exc:  # a fault of the engine (e.g. device OOM): fail this batch, keep serving
                 log.exception("engine step failed; failing %d request(s)", len(batch))
                 for seq in batch:

@@ -1,0 +1,129 @@
+"""Fixtures that run the real service: `python -m shardstack serve` in a subprocess on a free loopback port,
+with $NOTIFY_SOCKET pointing at a unix datagram socket the test owns (what systemd would provide)."""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import httpx
+import pytest
+from shardstack.serve.demo import write_random_model
+
+READY_TIMEOUT = 90.0  # import torch + load + warm-up on a busy 2-core machine
+
+
+class NotifySocket:
+    """The receiving end of sd_notify: collects every datagram the service sends."""
+
+    def __init__(self, directory: Path) -> None:
+        self.path = directory / "notify.sock"
+        self.sock = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
+        self.sock.bind(str(self.path))
+        self.messages: list[tuple[float, dict[str, str]]] = []
+
+    def poll(self, timeout: float) -> None:
+        self.sock.settimeout(timeout)
+        with contextlib.suppress(TimeoutError):
+            while True:
+                data = self.sock.recv(4096)
+                fields = dict(line.split("=", 1) for line in data.decode().splitlines() if "=" in line)
+                self.messages.append((time.monotonic(), fields))
+                self.sock.settimeout(0.001)
+
+    def wait_for(self, key: str, value: str = "1", timeout: float = 10.0) -> float:
+        """Time the first message with key=value arrived (waiting for it if needed)."""
+        deadline = time.monotonic() + timeout
+        while True:
+            for at, fields in self.messages:
+                if fields.get(key) == value:
+                    return at
+            if time.monotonic() > deadline:
+                raise AssertionError(f"no {key}={value} on NOTIFY_SOCKET within {timeout}s: {self.messages}")
+            self.poll(0.05)
+
+    def count(self, key: str, since: float = 0.0) -> int:
+        return sum(1 for at, f in self.messages if key in f and at >= since)
+
+    def close(self) -> None:
+        self.sock.close()
+
+
+class Service:
+    """One `shardstack serve` process."""
+
+    def __init__(self, model: Path, workdir: Path, *args: str, env: dict[str, str] | None = None) -> None:
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            self.port = s.getsockname()[1]
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.notify = NotifySocket(workdir)
+        self.log_path = workdir / "serve.log"
+        self._log = self.log_path.open("w")
+        self.health_seen: list[tuple[int, str]] = []
+        cmd = [sys.executable, "-m", "shardstack", "serve", "--model", str(model), "--port", str(self.port),
+               "--threads", "1", *args]
+        full_env = {**os.environ, "NOTIFY_SOCKET": str(self.notify.path), "PYTHONUNBUFFERED": "1", **(env or {})}
+        self.proc = subprocess.Popen(cmd, stdout=self._log, stderr=subprocess.STDOUT, env=full_env)
+
+    def wait_ready(self) -> None:
+        """Poll /health until READY=1 arrives, remembering what /health said meanwhile."""
+        deadline = time.monotonic() + READY_TIMEOUT
+        while not any(f.get("READY") == "1" for _, f in self.notify.messages):
+            if self.proc.poll() is not None:
+                raise AssertionError(f"service exited with {self.proc.returncode}:\n{self.log()}")
+            if time.monotonic() > deadline:
+                raise AssertionError(f"no READY=1 within {READY_TIMEOUT}s:\n{self.log()}")
+            with contextlib.suppress(httpx.TransportError):
+                r = httpx.get(self.url + "/health", timeout=2)
+                self.health_seen.append((r.status_code, r.json()["status"]))
+            self.notify.poll(0.05)
+
+    def log(self) -> str:
+        self._log.flush()
+        return self.log_path.read_text()
+
+    def stop(self, timeout: float = 30.0) -> int:
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+            try:
+                self.proc.wait(timeout)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+        self._log.close()
+        self.notify.close()
+        return self.proc.returncode
+
+
+@pytest.fixture(scope="session")
+def model_dir() -> Iterator[Path]:
+    with tempfile.TemporaryDirectory(prefix="ss-serve-model-") as tmp:
+        # The demo size (preset "small": 4 layers, d=128, context 256), seeded random weights, export layout.
+        yield write_random_model(Path(tmp) / "small", "small", seed=1234)
+
+
+@pytest.fixture
+def workdir() -> Iterator[Path]:
+    # Short path under /tmp: unix socket paths are limited to 107 bytes.
+    with tempfile.TemporaryDirectory(prefix="ss-") as tmp:
+        yield Path(tmp)
+
+
+@contextlib.contextmanager
+def running_service(model: Path, workdir: Path, *args: str, env: dict[str, str] | None = None) -> Iterator[Service]:
+    svc = Service(model, workdir, *args, env=env)
+    try:
+        svc.wait_ready()
+        yield svc
+    finally:
+        if svc.proc.poll() is None:
+            svc.stop()

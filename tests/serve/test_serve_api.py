@@ -1,0 +1,207 @@
+"""The HTTP API against a real `shardstack serve` process: the malformed-request table, auth, streaming vs
+non-streaming, stop sequences, batching of concurrent requests, /info, /health and /metrics."""
+
+from __future__ import annotations
+
+import json
+import tempfile
+from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import httpx
+import pytest
+
+from .conftest import Service, running_service
+
+TOKEN = "s3cret-token"
+AUTH = {"Authorization": f"Bearer {TOKEN}"}
+JSON = {**AUTH, "Content-Type": "application/json"}
+
+
+@pytest.fixture(scope="module")
+def svc(model_dir: Path) -> Iterator[Service]:
+    with tempfile.TemporaryDirectory(prefix="ss-") as tmp:
+        token_file = Path(tmp) / "token"
+        token_file.write_text(TOKEN + "\n")
+        with running_service(model_dir, Path(tmp), "--token-file", str(token_file), "--max-tokens", "64",
+                             "--max-body-bytes", "65536", "--max-concurrency", "8") as s:
+            yield s
+
+
+@pytest.fixture(scope="module")
+def client(svc: Service) -> Iterator[httpx.Client]:
+    with httpx.Client(base_url=svc.url, timeout=60) as c:
+        yield c
+
+
+def _metric(client: httpx.Client, name: str) -> float:
+    total = 0.0
+    for line in client.get("/metrics").text.splitlines():
+        if line.startswith(name + " ") or line.startswith(name + "{"):
+            total += float(line.rsplit(" ", 1)[1])
+    return total
+
+
+def test_ready_after_load_and_warm_up(svc: Service, client: httpx.Client) -> None:
+    # /health answered 503 "loading" while the model loaded, and READY=1 came only once it was ready.
+    assert (503, "loading") in svc.health_seen
+    assert (200, "ok") not in svc.health_seen[: svc.health_seen.index((503, "loading")) + 1]
+    assert svc.notify.count("READY") == 1
+    assert client.get("/health").json() == {"status": "ok", "running": 0, "waiting": 0}
+    info = client.get("/info", headers=AUTH).json()
+    assert info["model"] == "small" and info["step"] == 0 and info["dtype"] == "float32"
+    assert info["checkpoint"] == "random:small:seed=1234" and info["device"] == "cpu"
+    assert info["limits"] == {"max_concurrency": 8, "max_queue": 64, "max_tokens": 64, "context": 256,
+                              "max_body_bytes": 65536}
+    assert info["model_config"]["n_layer"] == 4
+
+
+# (name, method, path, headers, raw body, expected status, field named in the error or None)
+MALFORMED = [
+    ("bad json", "POST", "/v1/completions", JSON, b'{"prompt": ', 422, "body"),
+    ("empty body", "POST", "/v1/completions", JSON, b"", 422, "body"),
+    ("not an object", "POST", "/v1/completions", JSON, b'["hi"]', 422, "body"),
+    ("invalid utf-8", "POST", "/v1/completions", JSON, b'{"prompt": "\xff\xfe"}', 422, "body"),
+    ("deeply nested", "POST", "/v1/completions", JSON, b"[" * 20000 + b"]" * 20000, 422, "body"),
+    ("missing prompt", "POST", "/v1/completions", JSON, b'{"max_tokens": 4}', 422, "prompt"),
+    ("prompt wrong type", "POST", "/v1/completions", JSON, b'{"prompt": 42}', 422, "prompt"),
+    ("prompt empty", "POST", "/v1/completions", JSON, b'{"prompt": ""}', 422, "prompt"),
+    ("token id out of range", "POST", "/v1/completions", JSON, b'{"prompt": [72, 300]}', 422, "prompt"),
+    ("prompt longer than context", "POST", "/v1/completions", JSON,
+     json.dumps({"prompt": "x" * 300}).encode(), 422, "prompt"),
+    ("prompt + max_tokens over context", "POST", "/v1/completions", JSON,
+     json.dumps({"prompt": "x" * 250, "max_tokens": 10}).encode(), 422, "max_tokens"),
+    ("max_tokens string", "POST", "/v1/completions", JSON, b'{"prompt": "a", "max_tokens": "5"}', 422,
+     "max_tokens"),
+    ("max_tokens negative", "POST", "/v1/completions", JSON, b'{"prompt": "a", "max_tokens": -1}', 422,
+     "max_tokens"),
+    ("max_tokens zero", "POST", "/v1/completions", JSON, b'{"prompt": "a", "max_tokens": 0}', 422, "max_tokens"),
+    ("max_tokens huge", "POST", "/v1/completions", JSON, b'{"prompt": "a", "max_tokens": 1000000000000}', 422,
+     "max_tokens"),
+    ("max_tokens bool", "POST", "/v1/completions", JSON, b'{"prompt": "a", "max_tokens": true}', 422,
+     "max_tokens"),
+    ("max_tokens float", "POST", "/v1/completions", JSON, b'{"prompt": "a", "max_tokens": 2.5}', 422, "max_tokens"),
+    ("temperature string", "POST", "/v1/completions", JSON, b'{"prompt": "a", "temperature": "hot"}', 422,
+     "temperature"),
+    ("temperature negative", "POST", "/v1/completions", JSON, b'{"prompt": "a", "temperature": -0.5}', 422,
+     "temperature"),
+    ("temperature NaN", "POST", "/v1/completions", JSON, b'{"prompt": "a", "temperature": NaN}', 422,
+     "temperature"),
+    ("top_p zero", "POST", "/v1/completions", JSON, b'{"prompt": "a", "top_p": 0}', 422, "top_p"),
+    ("top_p above one", "POST", "/v1/completions", JSON, b'{"prompt": "a", "top_p": 1.5}', 422, "top_p"),
+    ("stop wrong type", "POST", "/v1/completions", JSON, b'{"prompt": "a", "stop": 5}', 422, "stop"),
+    ("too many stops", "POST", "/v1/completions", JSON, b'{"prompt": "a", "stop": ["a","b","c","d","e"]}', 422,
+     "stop"),
+    ("seed string", "POST", "/v1/completions", JSON, b'{"prompt": "a", "seed": "x"}', 422, "seed"),
+    ("stream string", "POST", "/v1/completions", JSON, b'{"prompt": "a", "stream": "yes"}', 422, "stream"),
+    ("n > 1", "POST", "/v1/completions", JSON, b'{"prompt": "a", "n": 2}', 422, "n"),
+    ("unknown field", "POST", "/v1/completions", JSON, b'{"prompt": "a", "max_token": 5}', 422, "max_token"),
+    ("unknown model", "POST", "/v1/completions", JSON, b'{"prompt": "a", "model": "gpt-9"}', 404, "model"),
+    ("huge prompt", "POST", "/v1/completions", JSON, json.dumps({"prompt": "x" * 100_000}).encode(), 413, None),
+    ("wrong content type", "POST", "/v1/completions", {**AUTH, "Content-Type": "text/plain"}, b'{"prompt": "a"}',
+     415, None),
+    ("no content type", "POST", "/v1/completions", AUTH, b'{"prompt": "a"}', 415, None),
+    ("missing token", "POST", "/v1/completions", {"Content-Type": "application/json"}, b'{"prompt": "a"}', 401,
+     None),
+    ("wrong token", "POST", "/v1/completions", {"Authorization": "Bearer nope", "Content-Type": "application/json"},
+     b'{"prompt": "a"}', 401, None),
+    ("info without token", "GET", "/info", {}, b"", 401, None),
+    ("wrong method", "GET", "/v1/completions", AUTH, b"", 405, None),
+    ("unknown path", "POST", "/v1/chat/nothing", JSON, b"{}", 404, None),
+]
+
+
+def test_malformed_requests_get_the_right_4xx_and_service_keeps_serving(client: httpx.Client) -> None:
+    before_5xx = sum(_metric(client, f'shardstack_infer_requests_total{{code="{c}"}}') for c in (500, 502, 503))
+    failures = []
+    for name, method, path, headers, body, status, field in MALFORMED:
+        r = client.request(method, path, headers=headers, content=body)
+        err = r.json() if r.headers.get("content-type", "").startswith("application/json") else {}
+        ok = r.status_code == status and isinstance(err.get("error"), str) and "error_type" in err
+        if field is not None:
+            ok = ok and err.get("field") == field and field in err["error"]
+        if status == 401:
+            ok = ok and r.headers.get("www-authenticate") == "Bearer"
+        if not ok:
+            failures.append(f"{name}: {r.status_code} {r.text[:200]}")
+    assert not failures, "\n".join(failures)
+    # Still serving, and nothing above was counted as a server error.
+    r = client.post("/v1/completions", headers=AUTH, json={"prompt": "still there?", "max_tokens": 4})
+    assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 4
+    after_5xx = sum(_metric(client, f'shardstack_infer_requests_total{{code="{c}"}}') for c in (500, 502, 503))
+    assert after_5xx == before_5xx
+    assert _metric(client, 'shardstack_infer_requests_total{code="422"}') >= 25
+    assert client.get("/health").status_code == 200
+
+
+def _stream(client: httpx.Client, body: dict) -> tuple[str, list[dict]]:
+    chunks = []
+    with client.stream("POST", "/v1/completions", headers=AUTH, json={**body, "stream": True}) as r:
+        assert r.status_code == 200 and r.headers["content-type"].startswith("text/event-stream")
+        lines = [line for line in r.iter_lines() if line]
+    assert lines[-1] == "data: [DONE]"
+    chunks = [json.loads(line.removeprefix("data: ")) for line in lines[:-1]]
+    text = "".join(c["choices"][0]["text"] for c in chunks if c["choices"])
+    return text, chunks
+
+
+@pytest.mark.parametrize("sampling", [{"temperature": 1.0, "seed": 42}, {"temperature": 0.7, "top_p": 0.8,
+                                                                         "seed": 7}, {"temperature": 0}])
+def test_streaming_returns_the_same_text_as_non_streaming(client: httpx.Client, sampling: dict) -> None:
+    body = {"prompt": "Once upon a time", "max_tokens": 48, **sampling}
+    plain = client.post("/v1/completions", headers=AUTH, json=body).json()
+    text, chunks = _stream(client, {**body, "stream_options": {"include_usage": True}})
+    assert text == plain["choices"][0]["text"] and len(text) > 0
+    assert plain["choices"][0]["finish_reason"] == chunks[-2]["choices"][0]["finish_reason"] == "length"
+    assert chunks[-1]["usage"] == plain["usage"] == {"prompt_tokens": 16, "completion_tokens": 48,
+                                                      "total_tokens": 64}
+    assert all(c["choices"][0]["finish_reason"] is None for c in chunks[:-2])
+    assert plain["object"] == "text_completion" and plain["id"].startswith("cmpl-")
+    # Seeded: the same request again gives the same text.
+    assert client.post("/v1/completions", headers=AUTH, json=body).json()["choices"][0]["text"] == text
+
+
+def test_stop_sequence_truncates_and_reports_stop(client: httpx.Client) -> None:
+    body = {"prompt": "Stop me", "max_tokens": 64, "temperature": 1.0, "seed": 5}
+    full = client.post("/v1/completions", headers=AUTH, json=body).json()["choices"][0]["text"]
+    # An ASCII character from the middle of the output (ASCII bytes never sit inside a UTF-8 sequence).
+    stop = next((c for c in full[len(full) // 2 :] if ord(c) < 128 and c != "\ufffd"), None)
+    assert stop is not None, f"no ASCII character in the sampled output to stop on: {full!r}"
+    expected = full[: full.index(stop)]
+    r = client.post("/v1/completions", headers=AUTH, json={**body, "stop": [stop, "\u2603"]}).json()
+    assert (r["choices"][0]["text"], r["choices"][0]["finish_reason"]) == (expected, "stop")
+    text, chunks = _stream(client, {**body, "stop": stop})
+    assert text == expected and chunks[-1]["choices"][0]["finish_reason"] == "stop"
+
+
+def test_concurrent_requests_are_batched_and_match_sequential_results(client: httpx.Client) -> None:
+    bodies = [{"prompt": f"request number {i}", "max_tokens": 40, "temperature": 0.0 if i % 2 else 0.9,
+               "seed": i} for i in range(8)]
+    sequential = [client.post("/v1/completions", headers=AUTH, json=b).json()["choices"][0]["text"] for b in bodies]
+    steps_before = _metric(client, "shardstack_infer_engine_steps_total")
+    batched_before = _metric(client, "shardstack_infer_batch_size_count") - _metric(
+        client, 'shardstack_infer_batch_size_bucket{le="1.0"}')
+    with ThreadPoolExecutor(8) as pool:
+        results = list(pool.map(lambda b: client.post("/v1/completions", headers=AUTH, json=b).json(), bodies))
+    assert [r["choices"][0]["text"] for r in results] == sequential
+    steps = _metric(client, "shardstack_infer_engine_steps_total") - steps_before
+    batched = _metric(client, "shardstack_infer_batch_size_count") - _metric(
+        client, 'shardstack_infer_batch_size_bucket{le="1.0"}') - batched_before
+    assert steps < 8 * 40 / 2, f"{steps} engine steps for 8x40 tokens: requests were not batched"
+    assert batched > 0
+
+
+def test_metrics_expose_the_documented_names(client: httpx.Client) -> None:
+    client.post("/v1/completions", headers=AUTH, json={"prompt": "count me", "max_tokens": 5})
+    text = client.get("/metrics").text
+    for name in ("shardstack_infer_request_duration_seconds_bucket", "shardstack_infer_time_to_first_token_seconds_"
+                 "bucket", "shardstack_infer_requests_running", "shardstack_infer_requests_waiting",
+                 'shardstack_infer_requests_total{code="200"}', "shardstack_infer_prompt_tokens_total",
+                 "shardstack_infer_generation_tokens_total", "shardstack_infer_engine_heartbeat_timestamp_seconds",
+                 "shardstack_infer_ready 1.0"):
+        assert name in text, name
+    assert _metric(client, "shardstack_infer_generation_tokens_total") >= 5
+    assert _metric(client, "shardstack_infer_request_duration_seconds_count") >= 1
+    models = client.get("/v1/models", headers=AUTH).json()
+    assert [m["id"] for m in models["data"]] == ["small"]

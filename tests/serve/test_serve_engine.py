@@ -1,0 +1,113 @@
+"""The continuous-batching engine in-process: batched results equal one-at-a-time results, slots are reused,
+admission is bounded, cancellation frees a slot."""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+import torch
+from shardstack.export import load_model
+from shardstack.serve.engine import Engine, Event, QueueFull, Sequence
+from shardstack.serve.sampling import SamplingParams
+
+
+@pytest.fixture(scope="module")
+def model(model_dir: Path):
+    torch.set_num_threads(1)
+    return load_model(model_dir, "cpu", torch.float32)[0]
+
+
+@pytest.fixture
+def engine(model) -> Iterator[Engine]:
+    eng = Engine(model, max_batch=4, max_queue=2, device="cpu", dtype=torch.float32)
+    eng.start()
+    yield eng
+    eng.stop()
+
+
+class Collector:
+    def __init__(self) -> None:
+        self.data = b""
+        self.finish: str | None = None
+        self.done = threading.Event()
+
+    def __call__(self, ev: Event) -> None:
+        self.data += ev.data
+        if ev.finish_reason or ev.error:
+            self.finish = ev.finish_reason
+            self.done.set()
+
+
+def _wait_idle(engine: Engine, timeout: float = 10.0) -> None:
+    deadline = time.monotonic() + timeout  # the loop retires finished requests right after their last step
+    while engine.in_flight() and time.monotonic() < deadline:
+        time.sleep(0.01)
+
+
+PROMPTS = [b"The quick brown fox", b"a", b"0123456789" * 5, b"shardstack serves"]
+PARAMS = [SamplingParams(temperature=0.0), SamplingParams(temperature=0.9, top_p=0.9, seed=3),
+          SamplingParams(temperature=1.2, seed=11), SamplingParams(temperature=0.0)]
+
+
+def test_batched_generation_matches_one_at_a_time(engine: Engine) -> None:
+    alone = [engine.generate(list(p), 24, sp) for p, sp in zip(PROMPTS, PARAMS, strict=True)]
+    steps_alone = engine.steps
+    # All four at once, and arriving staggered so some join while others are mid-decode.
+    collectors = [Collector() for _ in PROMPTS]
+    for i, (p, sp, c) in enumerate(zip(PROMPTS, PARAMS, collectors, strict=True)):
+        engine.submit(Sequence(list(p), 24, sp, [], c))
+        if i == 1:
+            time.sleep(0.02)
+    for c in collectors:
+        assert c.done.wait(30)
+    assert [(c.data, c.finish) for c in collectors] == alone
+    assert all(finish == "length" and len(data) == 24 for data, finish in alone)
+    assert engine.steps - steps_alone < 4 * 24  # the batch shared steps (~24-30), alone they took 96
+
+
+def test_more_requests_than_slots_reuse_slots_and_queue_is_bounded(engine: Engine) -> None:
+    collectors = [Collector() for _ in range(6)]  # 4 slots + 2 queue places
+    for i, c in enumerate(collectors):
+        engine.submit(Sequence(list(b"slot %d" % i), 40 + i, SamplingParams(seed=i), [], c))
+    with pytest.raises(QueueFull):
+        engine.submit(Sequence(list(b"one too many"), 4, SamplingParams(), [], Collector()))
+    for i, c in enumerate(collectors):
+        assert c.done.wait(30)
+        assert (c.finish, len(c.data)) == ("length", 40 + i)
+    _wait_idle(engine)
+    assert engine.counts() == (0, 0)
+
+
+def test_stop_sequence_ends_generation_early(engine: Engine) -> None:
+    full, _ = engine.generate(list(b"stop here"), 32, SamplingParams(temperature=0.0))
+    stop = full[10:12]
+    cut = full.index(stop)
+    data, finish = engine.generate(list(b"stop here"), 32, SamplingParams(temperature=0.0), [stop])
+    assert (data, finish) == (full[:cut], "stop")
+
+
+def test_cancelled_request_frees_its_slot(model) -> None:
+    eng = Engine(model, max_batch=1, max_queue=0, device="cpu", dtype=torch.float32)
+    eng.start()
+    try:
+        c = Collector()
+        seq = Sequence(list(b"long"), 250, SamplingParams(), [], c)
+        eng.submit(seq)
+        with pytest.raises(QueueFull):
+            eng.submit(Sequence(list(b"x"), 4, SamplingParams(), [], Collector()))
+        eng.cancel(seq)
+        _wait_idle(eng)
+        assert eng.in_flight() == 0 and not c.done.is_set()
+        assert eng.generate(list(b"x"), 4, SamplingParams())[1] == "length"
+    finally:
+        eng.stop()
+
+
+def test_heartbeat_advances_while_idle(engine: Engine) -> None:
+    before = engine.heartbeat
+    time.sleep(engine.idle_tick * 2.5)
+    assert engine.heartbeat > before and engine.heartbeat_age() < engine.idle_tick * 2
