@@ -420,6 +420,8 @@ class Checkpointer:
         future = getattr(upload, "upload_completion", upload)
         future.result()
         self._commit(step, tmp, group=self._pg)
+        if self.rank == 0:
+            log.info("checkpoint step %d: committed in the background", step)
 
     def _commit(self, step: int, tmp: Path, *, group) -> None:
         """Hash every rank's shards, then rank 0 writes the manifest and renames the directory into place."""

@@ -56,7 +56,16 @@ class ExportResult:
 
 
 def _peak_rss_bytes() -> int:
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # Linux reports KiB
+    """This process's peak RSS. VmHWM, not ru_maxrss: Linux carries ru_maxrss over from the parent across
+    fork + exec, so a small process started by a big one would report the parent's size."""
+    try:
+        with open("/proc/self/status") as f:
+            for line in f:
+                if line.startswith("VmHWM:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # KiB on Linux
 
 
 def _model_config(manifest: dict[str, Any]) -> dict[str, Any]:

@@ -1,0 +1,74 @@
+"""Shared pieces for the checkpoint tests: a tiny model + optimizer app state, and a single-process Checkpointer."""
+
+from __future__ import annotations
+
+import os
+import sys
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+import torch
+from shardstack.checkpoint import Checkpointer
+from shardstack.model import GPT, GPTConfig
+from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+from torch.distributed.checkpoint.stateful import Stateful
+
+TINY = GPTConfig(n_layer=2, n_head=2, d_model=32, seq_len=16)
+HERE = Path(__file__).parent
+REPO = HERE.parent.parent
+
+
+class AppState(Stateful):
+    """The same shape as the trainer's app state: model and optimizer through torch's FQN-keyed state dicts."""
+
+    def __init__(self, seed: int = 0) -> None:
+        torch.manual_seed(seed)
+        self.model = GPT(TINY)
+        self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=1e-2)
+        self.step = 0
+
+    def train(self, steps: int) -> list[float]:
+        losses = []
+        for _ in range(steps):
+            self.step += 1
+            g = torch.Generator().manual_seed(self.step)
+            data = torch.randint(0, TINY.vocab_size, (4, TINY.seq_len + 1), generator=g)
+            loss = self.model(data[:, :-1].contiguous(), data[:, 1:].contiguous())
+            loss.backward()
+            self.optimizer.step()
+            self.optimizer.zero_grad()
+            losses.append(loss.item())
+        return losses
+
+    def state_dict(self) -> dict:
+        model_sd, optim_sd = get_state_dict(self.model, self.optimizer)
+        return {"model": model_sd, "optimizer": optim_sd, "step": self.step}
+
+    def load_state_dict(self, sd: dict) -> None:
+        set_state_dict(self.model, self.optimizer, model_state_dict=sd["model"], optim_state_dict=sd["optimizer"])
+        self.step = sd["step"]
+
+
+def make_checkpointer(root: Path, **overrides) -> Checkpointer:
+    cfg = SimpleNamespace(dir=str(root), interval=2, keep=3, resume="auto", async_save=False)
+    for key, value in overrides.items():
+        setattr(cfg, key, value)
+    return Checkpointer(cfg, config_hash="cafe", stage=3, job_config={"model": TINY.to_dict()})
+
+
+def torchrun(nproc: int, *args: str, timeout: float = 180, extra: tuple[str, ...] = ()) -> tuple[int, str]:
+    """Run a script under torchrun (c10d rendezvous on 127.0.0.1); its exit code and combined output."""
+    import subprocess
+
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(nproc), *extra]
+    if not extra:
+        cmd.append("--standalone")
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore"}
+    proc = subprocess.run([*cmd, *args], capture_output=True, text=True, timeout=timeout, env=env, cwd=REPO)
+    return proc.returncode, proc.stdout + proc.stderr
+
+
+@pytest.fixture
+def app() -> AppState:
+    return AppState()
