@@ -1,0 +1,57 @@
+"""Every role's meta/argument_specs.yml mirrors its defaults 1:1 — for every role under roles/, present or future."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import yaml
+
+ROLES = Path(__file__).resolve().parents[2] / "roles"
+ALL_ROLES = sorted(p.name for p in ROLES.iterdir() if (p / "tasks" / "main.yml").is_file())
+
+
+def _defaults(role: str) -> dict:
+    path = ROLES / role / "defaults" / "main.yml"
+    return (yaml.safe_load(path.read_text()) or {}) if path.is_file() else {}
+
+
+def _options(role: str) -> dict:
+    path = ROLES / role / "meta" / "argument_specs.yml"
+    assert path.is_file(), f"{role}: meta/argument_specs.yml is missing"
+    spec = yaml.safe_load(path.read_text())["argument_specs"]["main"]
+    return spec.get("options") or {}
+
+
+def test_roles_found() -> None:
+    assert {"os_baseline", "nvidia_driver", "cuda_toolkit", "nccl", "rdma", "shared_storage"} <= set(ALL_ROLES)
+
+
+@pytest.mark.parametrize("role", ALL_ROLES)
+def test_spec_keys_equal_defaults_keys(role: str) -> None:
+    defaults, options = set(_defaults(role)), set(_options(role))
+    assert defaults == options, (
+        f"{role}: only in defaults {sorted(defaults - options)}, only in argument_specs {sorted(options - defaults)}"
+    )
+
+
+@pytest.mark.parametrize("role", ALL_ROLES)
+def test_spec_defaults_equal_defaults_values(role: str) -> None:
+    defaults, options = _defaults(role), _options(role)
+    wrong = {
+        k: (defaults[k], o["default"])
+        for k, o in options.items()
+        if k in defaults and "default" in o and o["default"] != defaults[k]
+    }
+    missing = sorted(k for k, o in options.items() if "default" not in o and not o.get("required"))
+    assert not wrong, f"{role}: defaults differ (defaults.yml, argument_specs): {wrong}"
+    assert not missing, f"{role}: options without a default that are not required: {missing}"
+
+
+@pytest.mark.parametrize("role", ALL_ROLES)
+def test_variables_are_role_prefixed_and_described(role: str) -> None:
+    options = _options(role)
+    assert all(k.startswith(role + "_") for k in options), (
+        f"{role}: unprefixed {[k for k in options if not k.startswith(role + '_')]}"
+    )
+    assert all(o.get("description") for o in options.values()), f"{role}: options without a description"
