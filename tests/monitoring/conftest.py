@@ -1,0 +1,90 @@
+"""Helpers for the monitoring tests: the repo's paths, promtool/amtool, and role templating without a host.
+
+Role variables are layered as Ansible does (defaults, then vars/main.yml, then overrides) and evaluated with
+Ansible's own Templar, so the templates under test are exactly what the roles write on a node.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import shutil
+import subprocess
+from pathlib import Path
+from types import ModuleType
+from typing import Any
+
+import pytest
+import yaml
+from ansible.parsing.dataloader import DataLoader
+from ansible.template import Templar, trust_as_template
+
+REPO = Path(__file__).resolve().parents[2]
+ROLES = REPO / "roles"
+RULES_DIR = ROLES / "prometheus" / "files" / "rules"
+RULE_TESTS_DIR = Path(__file__).resolve().parent / "rules"
+DASHBOARDS_DIR = ROLES / "grafana" / "files" / "dashboards"
+
+FACTS: dict[str, Any] = {
+    "architecture": "x86_64",
+    "os_family": "Debian",
+    "distribution": "Debian",
+    "distribution_major_version": "12",
+    "distribution_version": "12.8",
+    "virtualization_type": "container",
+}
+
+
+def tool(name: str) -> str:
+    """Path of promtool/amtool; their absence is a setup error, not a reason to skip."""
+    path = shutil.which(name)
+    if path is None:
+        pytest.fail(f"{name} not found: apt-get install prometheus prometheus-alertmanager (Debian)")
+    return path
+
+
+def run(*argv: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(list(argv), capture_output=True, text=True, timeout=120)
+
+
+def load_filter_module() -> ModuleType:
+    """The prometheus role's filter plugin, imported from its file (it is not a package)."""
+    path = ROLES / "prometheus" / "filter_plugins" / "prometheus_targets.py"
+    spec = importlib.util.spec_from_file_location("prometheus_targets", path)
+    assert spec and spec.loader
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def _trust(value: Any) -> Any:
+    if isinstance(value, str):
+        return trust_as_template(value)
+    if isinstance(value, dict):
+        return {k: _trust(v) for k, v in value.items()}
+    if isinstance(value, list):
+        return [_trust(v) for v in value]
+    return value
+
+
+def _load(path: Path) -> dict[str, Any]:
+    return (yaml.safe_load(path.read_text()) or {}) if path.is_file() else {}
+
+
+class RoleVars:
+    """One role's variable namespace for an imaginary Debian 12 host."""
+
+    def __init__(self, role: str, **overrides: Any) -> None:
+        self.role = ROLES / role
+        layered: dict[str, Any] = {}
+        layered.update(_load(self.role / "defaults" / "main.yml"))
+        layered.update(_load(self.role / "vars" / "main.yml"))
+        layered.update(overrides)
+        layered.setdefault("ansible_managed", "Ansible managed")
+        layered["ansible_facts"] = FACTS
+        self.templar = Templar(loader=DataLoader(), variables=_trust(layered))
+
+    def __getitem__(self, name: str) -> Any:
+        return self.templar.template(trust_as_template("{{ %s }}" % name))
+
+    def render(self, template: str) -> str:
+        return self.templar.template(trust_as_template((self.role / "templates" / template).read_text()))
