@@ -207,9 +207,8 @@ def _coerce(value: Any, tp: Any, key: str) -> Any:
         if isinstance(value, str):  # YAML 1.1 reads `3e-4` (no dot) as a string
             with contextlib.suppress(ValueError):
                 return float(value)
-    elif tp is str:
-        if isinstance(value, str):
-            return value
+    elif tp is str and isinstance(value, str):
+        return value
     raise ShardstackError(f"config key '{key}' is {value!r}; expected {_describe(tp)}")
 
 
@@ -253,7 +252,8 @@ def _cross_checks(cfg: JobConfig) -> None:
             hint=f"did you mean '{close[0]}'?" if close else None,
         )
     if cfg.model.factory is not None and ":" not in cfg.model.factory:
-        raise ShardstackError(f"config key 'model.factory' is {cfg.model.factory!r}; expected 'package.module:function'")
+        raise ShardstackError(
+            f"config key 'model.factory' is {cfg.model.factory!r}; expected 'package.module:function'")
     if cfg.engine.offload == "cpu" and cfg.engine.stage < 2:
         raise ShardstackError(
             f"config key 'engine.offload' is 'cpu' but engine.stage is {cfg.engine.stage}",

@@ -10,7 +10,6 @@ resuming on any world size continues the same stream.
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 

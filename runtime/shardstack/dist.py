@@ -56,7 +56,6 @@ def init_distributed(device: str = "auto") -> DistInfo:
     env = os.environ
     under_launcher = "RANK" in env and "WORLD_SIZE" in env
     rank = int(env.get("RANK", 0))
-    world = int(env.get("WORLD_SIZE", 1))
     local_rank = int(env.get("LOCAL_RANK", rank))
     dev, backend, what = _pick_device(device, local_rank)
     if not dist.is_initialized():

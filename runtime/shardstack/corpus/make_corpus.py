@@ -9,7 +9,7 @@ import inspect
 import sys
 import warnings
 
-MODULES = (
+MODULES = (  # noqa: SIM905 - one readable block
     "abc argparse ast asyncio base64 bisect calendar cmd codecs collections concurrent.futures configparser "
     "contextlib copy csv dataclasses datetime decimal difflib email enum fileinput fnmatch fractions ftplib "
     "functools getopt gettext glob gzip hashlib heapq hmac html http.client http.server imaplib inspect io "

@@ -12,13 +12,12 @@ from pathlib import Path
 
 import torch
 import torch.distributed.checkpoint as dcp
-from torch.distributed.tensor import DTensor
-
 from shardstack.config import EngineConfig, OptimizerConfig
 from shardstack.dist import init_distributed, shutdown
 from shardstack.engine import build_engine, optimizer_param_groups
 from shardstack.estimate import estimate_stage
 from shardstack.model import GPT, GPTConfig
+from torch.distributed.tensor import DTensor
 
 MODEL = GPTConfig(n_layer=2, n_head=3, d_model=36, seq_len=15, vocab_size=256)  # pos_emb 15 rows: uneven shards
 OPTIM = OptimizerConfig(lr=1e-2, grad_clip=0.5, weight_decay=0.1)
