@@ -84,7 +84,7 @@ class RoleVars:
         self.templar = Templar(loader=DataLoader(), variables=_trust(layered))
 
     def __getitem__(self, name: str) -> Any:
-        return self.templar.template(trust_as_template("{{ %s }}" % name))
+        return self.templar.template(trust_as_template("{{ " + name + " }}"))
 
     def render(self, template: str) -> str:
         return self.templar.template(trust_as_template((self.role / "templates" / template).read_text()))

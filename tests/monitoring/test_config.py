@@ -1,0 +1,234 @@
+"""Scrape targets generated from an inventory, and the Prometheus/Alertmanager/Grafana files the roles write,
+validated by the same tools the roles use on the node (promtool check config, amtool check-config)."""
+
+from __future__ import annotations
+
+import json
+import re
+from pathlib import Path
+from typing import Any
+
+import pytest
+import yaml
+from shardstack.lab.inventory import group_layout
+
+from .conftest import DASHBOARDS_DIR, REPO, RULES_DIR, RoleVars, load_filter_module, run, tool
+
+targets_filter = load_filter_module().scrape_targets
+DEFAULT_JOBS = yaml.safe_load((REPO / "roles" / "prometheus" / "defaults" / "main.yml").read_text())[
+    "prometheus_scrape_jobs"]
+
+
+def inventory_groups(path: Path) -> tuple[dict[str, list[str]], dict[str, dict[str, Any]]]:
+    """groups and hostvars of a YAML inventory, read with Ansible's own inventory manager."""
+    from ansible.inventory.manager import InventoryManager
+    from ansible.parsing.dataloader import DataLoader
+    from ansible.vars.manager import VariableManager
+
+    loader = DataLoader()
+    inv = InventoryManager(loader=loader, sources=[str(path)])
+    vm = VariableManager(loader=loader, inventory=inv)
+    groups = {name: [h.name for h in g.get_hosts()] for name, g in inv.groups.items()}
+    hostvars = {h.name: vm.get_vars(host=h, include_hostvars=False) for h in inv.get_hosts()}
+    return groups, hostvars
+
+
+def flat(targets: dict[str, list[dict]]) -> dict[str, list[tuple[str, str]]]:
+    return {job: [(g["labels"]["node"], g["targets"][0]) for g in groups] for job, groups in targets.items()}
+
+
+def test_targets_from_the_sample_inventory() -> None:
+    groups, hostvars = inventory_groups(REPO / "inventory" / "sample" / "hosts.yml")
+    got = flat(targets_filter(DEFAULT_JOBS, groups, hostvars))
+    assert sorted(got["node"]) == [("gpu01", "192.0.2.11:9100"), ("gpu02", "192.0.2.12:9100"),
+                                   ("gpu03", "192.0.2.13:9100"), ("gpu04", "192.0.2.14:9100"),
+                                   ("ops01", "192.0.2.31:9100"), ("store01", "192.0.2.21:9100")]
+    # ops01 is both monitoring server and load balancer: scraped once per job, at the address it was given once.
+    assert got["prometheus"] == [("ops01", "192.0.2.31:9090")]
+    assert got["loadbalancer"] == [("ops01", "192.0.2.31:8404")]
+    assert got["trainer"] == [("gpu01", "192.0.2.11:9400")]  # rank 0 only
+    assert got["inference"] == [("gpu03", "192.0.2.13:8000"), ("gpu04", "192.0.2.14:8000")]
+    assert got["dcgm"] == []  # no host has recorded an active DCGM exporter
+
+
+def test_dcgm_targets_follow_the_gate_facts() -> None:
+    groups, hostvars = inventory_groups(REPO / "inventory" / "sample" / "hosts.yml")
+    hostvars["gpu01"]["dcgm_exporter_active"] = True
+    hostvars["gpu03"]["dcgm_exporter_active"] = "True"  # a fact templated to text still counts
+    hostvars["gpu04"]["dcgm_exporter_active"] = False
+    got = targets_filter(DEFAULT_JOBS, groups, hostvars)["dcgm"]
+    assert [(g["labels"], g["targets"]) for g in got] == [
+        ({"node": "gpu01", "train_node": "true"}, ["192.0.2.11:9401"]),
+        ({"node": "gpu03", "train_node": "false"}, ["192.0.2.13:9401"]),
+    ]
+
+
+def test_targets_from_a_generated_lab_inventory() -> None:
+    names = ["lab-n1", "lab-n2", "lab-n3"]
+    layout = group_layout(names)
+    groups = {"all": names, **layout}
+    hostvars = {n: {"ansible_host": f"10.213.0.{11 + i}"} for i, n in enumerate(names)}
+    got = targets_filter(DEFAULT_JOBS, groups, hostvars)
+    assert [g["targets"][0] for g in got["node"]] == ["10.213.0.11:9100", "10.213.0.12:9100", "10.213.0.13:9100"]
+    assert {g["labels"]["node"]: g["labels"]["train_node"] for g in got["node"]} == {
+        n: ("true" if n in layout["train_nodes"] else "false") for n in names}
+    assert [g["labels"]["node"] for g in got["trainer"]] == layout["train_nodes"][:1]
+    assert [g["labels"]["node"] for g in got["inference"]] == layout["inference_nodes"]
+
+
+def test_target_address_override_ipv6_and_disabled_jobs() -> None:
+    jobs = [{"name": "node", "groups": ["all"], "port": "9100"},
+            {"name": "inference", "groups": ["inference_nodes"], "port": 8000, "enabled": "false"}]
+    groups = {"all": ["a", "b", "c"], "inference_nodes": ["a"]}
+    hostvars = {"a": {"ansible_host": "192.0.2.1", "prometheus_target_address": "a.mgmt"},
+                "b": {"ansible_host": "2001:db8::2"}, "c": {}}
+    got = targets_filter(jobs, groups, hostvars)
+    assert [g["targets"][0] for g in got["node"]] == ["a.mgmt:9100", "[2001:db8::2]:9100", "c:9100"]
+    assert "inference" not in got
+
+
+def test_duplicate_job_names_are_rejected() -> None:
+    with pytest.raises(ValueError, match="defined twice"):
+        targets_filter([{"name": "node", "groups": ["all"], "port": 1}] * 2, {"all": ["a"]}, {})
+
+
+def _render_prometheus(tmp_path: Path, **overrides: Any) -> Path:
+    """Write what the prometheus role writes (file_sd, rules, prometheus.yml) under tmp_path."""
+    groups, hostvars = inventory_groups(REPO / "inventory" / "sample" / "hosts.yml")
+    targets = targets_filter(DEFAULT_JOBS, groups, hostvars)
+    (tmp_path / "file_sd").mkdir()
+    (tmp_path / "rules").mkdir()
+    for job, groups_ in targets.items():
+        (tmp_path / "file_sd" / f"{job}.json").write_text(json.dumps(groups_, indent=2))
+    for rule in RULES_DIR.glob("*.rules.yml"):
+        (tmp_path / "rules" / rule.name).write_text(rule.read_text())
+    role = RoleVars("prometheus", __prometheus_config_dir=str(tmp_path), __prometheus_targets=targets, **overrides)
+    config = tmp_path / "prometheus.yml"
+    config.write_text(role.render("prometheus.yml.j2"))
+    return config
+
+
+def test_prometheus_config_passes_promtool(tmp_path: Path) -> None:
+    config = _render_prometheus(tmp_path)
+    proc = run(tool("promtool"), "check", "config", str(config))
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    # promtool also loaded and checked every rule file the config points at.
+    assert proc.stdout.count("SUCCESS") >= 1 + len(list(RULES_DIR.glob("*.rules.yml")))
+    cfg = yaml.safe_load(config.read_text())
+    jobs = {j["job_name"]: j for j in cfg["scrape_configs"]}
+    assert set(jobs) == {j["name"] for j in DEFAULT_JOBS}
+    relabel = jobs["node"]["metric_relabel_configs"][0]
+    assert re.fullmatch(relabel["regex"], "node_filesystem_avail_bytes;/srv/shardstack")
+    assert not re.fullmatch(relabel["regex"], "node_filesystem_avail_bytes;/srv/shardstack2")
+    assert not re.fullmatch(relabel["regex"], "node_cpu_seconds_total;/srv/shardstack")
+    assert cfg["alerting"]["alertmanagers"][0]["static_configs"][0]["targets"] == ["127.0.0.1:9093"]
+
+
+def test_prometheus_config_with_a_broken_rule_fails_promtool(tmp_path: Path) -> None:
+    config = _render_prometheus(tmp_path)
+    (tmp_path / "rules" / "broken.rules.yml").write_text(
+        "groups:\n  - name: x\n    rules:\n      - alert: Broken\n        expr: rate(up[5m]\n")
+    proc = run(tool("promtool"), "check", "config", str(config))
+    assert proc.returncode != 0
+
+
+@pytest.mark.parametrize("webhooks", [False, True], ids=["no-receivers", "webhooks"])
+def test_alertmanager_config_passes_amtool(tmp_path: Path, webhooks: bool) -> None:
+    overrides = {"prometheus_alertmanager_webhook_url": "http://alerts.example:9000/hook",
+                 "prometheus_alertmanager_watchdog_url": "http://heartbeat.example/ping"} if webhooks else {}
+    config = tmp_path / "alertmanager.yml"
+    config.write_text(RoleVars("prometheus", **overrides).render("alertmanager.yml.j2"))
+    proc = run(tool("amtool"), "check-config", str(config))
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    cfg = yaml.safe_load(config.read_text())
+    receivers = {r["name"]: r for r in cfg["receivers"]}
+    assert ("webhook_configs" in receivers["default"]) is webhooks
+    assert cfg["route"]["routes"][0]["receiver"] == "watchdog"
+    # Every alert an inhibit rule names exists in the rule files.
+    names = set(re.findall(r"- alert: (\w+)", "".join(p.read_text() for p in RULES_DIR.glob("*.rules.yml"))))
+    inhibited = {n for rule in cfg["inhibit_rules"] for m in rule["source_matchers"] + rule["target_matchers"]
+                 for n in re.findall(r"[A-Z][A-Za-z]+", m.split("=", 1)[1]) if m.startswith("alertname")}
+    assert inhibited and inhibited <= names, sorted(inhibited - names)
+
+
+def test_service_arguments_render() -> None:
+    ne = RoleVars("node_exporter").render("node_exporter.default.j2")
+    assert "--web.listen-address=0.0.0.0:9100" in ne
+    assert "--collector.textfile.directory=/var/lib/prometheus/node-exporter" in ne
+    assert ne.startswith("#") and "Ansible managed" in ne
+    ipv6 = RoleVars("node_exporter", node_exporter_listen_address="::").render("node_exporter.default.j2")
+    assert "--web.listen-address=[::]:9100" in ipv6
+    am = RoleVars("prometheus", prometheus_alertmanager_cluster_peers=["10.0.0.2:9094"]).render(
+        "alertmanager.default.j2")
+    assert "--cluster.listen-address= " in am and "--cluster.peer=10.0.0.2:9094" in am
+
+
+def test_dcgm_gate_and_counters() -> None:
+    none = {"files": []}
+    skip = RoleVars("dcgm_exporter", __dcgm_exporter_pci=none, __dcgm_exporter_devnodes=none)
+    assert skip["__dcgm_exporter_enabled"] is False
+    assert skip["__dcgm_exporter_reason"].startswith("skipped: no NVIDIA GPU found")
+    forced = RoleVars("dcgm_exporter", __dcgm_exporter_pci=none, __dcgm_exporter_devnodes=none,
+                      dcgm_exporter_force=True)
+    assert forced["__dcgm_exporter_enabled"] is True
+    assert "forced" in forced["__dcgm_exporter_reason"]
+    gpu = RoleVars("dcgm_exporter", __dcgm_exporter_pci={"files": [{"path": "a"}, {"path": "b"}]},
+                   __dcgm_exporter_devnodes=none)
+    assert gpu["__dcgm_exporter_reason"] == "enabled: 2 NVIDIA PCI device(s)"
+    csv = gpu.render("counters.csv.j2")
+    rows = [line.split(", ") for line in csv.splitlines() if line and not line.startswith("#")]
+    assert all(len(r) == 3 and r[1] in {"gauge", "counter"} for r in rows), rows
+    unit = gpu.render("dcgm-exporter.service.j2")
+    assert "-a 0.0.0.0:9401" in unit and "/etc/dcgm-exporter/shardstack-counters.csv" in unit
+
+
+def test_grafana_gate() -> None:
+    unreachable = {"status": -1, "msg": "Request failed: <urlopen error [Errno 101] Network is unreachable>"}
+    auto = RoleVars("grafana", __grafana_repo_probe=unreachable)
+    assert auto["__grafana_active"] is False
+    assert auto["__grafana_reason"].startswith("skipped: https://apt.grafana.com is unreachable")
+    assert RoleVars("grafana", __grafana_repo_probe={"status": 200})["__grafana_active"] is True
+    assert RoleVars("grafana", grafana_enabled="true", __grafana_repo_probe=unreachable)["__grafana_active"] is True
+    off = RoleVars("grafana", grafana_enabled="false", __grafana_repo_probe={"status": 200})
+    assert off["__grafana_active"] is False
+
+
+DASHBOARDS = sorted(DASHBOARDS_DIR.glob("*.json"))
+GRAFANA_VARS = {"$__rate_interval": "5m", "$__range": "1h", "$node": ".*"}
+
+
+def _exprs(dashboard: dict) -> list[str]:
+    return [t["expr"] for p in dashboard["panels"] for t in p.get("targets", [])]
+
+
+def test_dashboards_are_provisionable() -> None:
+    assert {p.stem for p in DASHBOARDS} == {"cluster-overview", "training-job", "inference"}
+    role = RoleVars("grafana", groups={"monitoring_server": ["ops01"]},
+                    hostvars={"ops01": {"ansible_host": "192.0.2.31"}})
+    datasource = yaml.safe_load(role.render("datasource.yml.j2"))["datasources"][0]
+    assert datasource["url"] == "http://192.0.2.31:9090"
+    uids = set()
+    for path in DASHBOARDS:
+        d = json.loads(path.read_text())
+        uids.add(d["uid"])
+        assert d["panels"] and _exprs(d), path.name
+        ids = [p["id"] for p in d["panels"]]
+        assert len(ids) == len(set(ids)), f"{path.name}: duplicate panel ids"
+        for p in d["panels"]:
+            assert p["datasource"]["uid"] == datasource["uid"], f"{path.name}: {p['title']}"
+    assert len(uids) == len(DASHBOARDS)
+
+
+def test_dashboard_queries_parse(tmp_path: Path) -> None:
+    """Every panel query is valid PromQL: promtool parses them as recording rules (Grafana variables filled)."""
+    rules = []
+    for path in DASHBOARDS:
+        for i, expr in enumerate(_exprs(json.loads(path.read_text()))):
+            for var, value in GRAFANA_VARS.items():
+                expr = expr.replace(var, value)
+            assert "$" not in expr, f"{path.name}: unknown Grafana variable in {expr}"
+            rules.append({"record": f"dashboard:{path.stem.replace('-', '_')}:{i}", "expr": expr})
+    rule_file = tmp_path / "dashboards.rules.yml"
+    rule_file.write_text(yaml.safe_dump({"groups": [{"name": "dashboards", "rules": rules}]}))
+    proc = run(tool("promtool"), "check", "rules", str(rule_file))
+    assert proc.returncode == 0, proc.stdout + proc.stderr
