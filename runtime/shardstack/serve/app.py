@@ -454,9 +454,15 @@ async def _feed_watchdog(service: Service) -> None:
     interval = service.notifier.watchdog_seconds
     if not interval:
         return
+    stalled = False
     while True:
-        if service.alive():
+        alive = service.alive()
+        if alive:
             service.notifier.watchdog()
-        else:
-            log.error("engine loop stalled; withholding the systemd watchdog ping")
+        if alive == stalled:  # log transitions only
+            stalled = not alive
+            if stalled:
+                log.error("engine loop stalled; withholding the systemd watchdog ping")
+            else:
+                log.warning("engine loop progressing again; watchdog pings resumed")
         await asyncio.sleep(interval / 2)

@@ -1,0 +1,149 @@
+"""Process-level behaviour of `shardstack serve`: overload back-pressure, drain on SIGTERM, a hung engine seen
+by /health and the systemd watchdog, and start-up failures."""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import signal
+import subprocess
+import sys
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import httpx
+
+from .conftest import Service, running_service
+
+
+def _complete(url: str, body: dict, timeout: float = 120) -> httpx.Response:
+    return httpx.post(url + "/v1/completions", json=body, timeout=timeout)
+
+
+def test_overload_gets_429_with_retry_after_and_no_5xx(model_dir: Path, workdir: Path) -> None:
+    # 2 running + 2 queued fit; 12 at once must overflow, and every admitted request must still finish.
+    with running_service(model_dir, workdir, "--max-concurrency", "2", "--max-queue", "2") as svc:
+        body = {"prompt": "overload", "max_tokens": 120, "temperature": 1.0}
+        barrier = threading.Barrier(12)
+
+        def fire(_: int) -> httpx.Response:
+            barrier.wait()
+            return _complete(svc.url, body)
+
+        with ThreadPoolExecutor(12) as pool:
+            responses = list(pool.map(fire, range(12)))
+        codes = sorted(r.status_code for r in responses)
+        assert set(codes) == {200, 429}, codes
+        assert codes.count(200) >= 4, codes  # at least the 2 running + 2 queued got through
+        for r in responses:
+            if r.status_code == 429:
+                assert int(r.headers["retry-after"]) >= 1
+                assert r.json()["error_type"] == "rate_limit_exceeded"
+            else:
+                assert r.json()["usage"]["completion_tokens"] == 120
+                assert r.json()["choices"][0]["finish_reason"] == "length"
+        metrics = httpx.get(svc.url + "/metrics").text
+        assert f'shardstack_infer_requests_total{{code="429"}} {codes.count(429)}.0' in metrics
+        assert 'code="5' not in metrics
+        assert httpx.get(svc.url + "/health").json()["status"] == "ok"
+
+
+def test_sigterm_drains_in_flight_refuses_new_and_exits_zero(model_dir: Path, workdir: Path) -> None:
+    with running_service(model_dir, workdir, "--drain-seconds", "60") as svc:
+        started = threading.Barrier(4)
+        results: list[tuple[int, str, int]] = []
+
+        def streaming_request(i: int) -> None:
+            body = {"prompt": f"in flight {i}", "max_tokens": 200, "stream": True, "seed": i,
+                    "stream_options": {"include_usage": True}}
+            with httpx.stream("POST", svc.url + "/v1/completions", json=body, timeout=120) as r:
+                lines = r.iter_lines()
+                first = next(line for line in lines if line)  # generation has begun: the request is in flight
+                started.wait()
+                rest = [line for line in lines if line]
+            usage = json.loads(rest[-2].removeprefix("data: "))["usage"]
+            results.append((r.status_code, rest[-1], usage["completion_tokens"] if first else -1))
+
+        threads = [threading.Thread(target=streaming_request, args=(i,)) for i in range(3)]
+        for t in threads:
+            t.start()
+        started.wait(timeout=60)
+        svc.proc.send_signal(signal.SIGTERM)
+        svc.notify.wait_for("STOPPING", timeout=10)
+        # Still listening, but not admitting: the balancer sees 503 on /health and new requests get 503.
+        health = httpx.get(svc.url + "/health")
+        refused = _complete(svc.url, {"prompt": "too late", "max_tokens": 4})
+        assert (health.status_code, health.json()["status"]) == (503, "draining")
+        assert refused.status_code == 503 and refused.json()["error_type"] == "unavailable"
+        assert refused.headers["retry-after"] == "1"
+        for t in threads:
+            t.join(120)
+        assert results == [(200, "data: [DONE]", 200)] * 3
+        assert svc.proc.wait(60) == 0, svc.log()
+        assert "Traceback" not in svc.log()
+
+
+def test_hung_engine_fails_health_and_starves_the_watchdog(model_dir: Path, workdir: Path) -> None:
+    env = {"SHARDSTACK_SERVE_FAILPOINT": "engine_hang", "WATCHDOG_USEC": "400000"}
+    with running_service(model_dir, workdir, "--stall-seconds", "1", "--drain-seconds", "1", env=env) as svc:
+        time.sleep(0.5)
+        assert httpx.get(svc.url + "/health").status_code == 200  # idle is not hung
+        svc.notify.poll(0.1)
+        assert svc.notify.count("WATCHDOG") >= 1  # fed while the loop iterates
+
+        def doomed() -> None:
+            with contextlib.suppress(httpx.HTTPError):  # it never finishes; the drain at teardown aborts it
+                _complete(svc.url, {"prompt": "hang the engine", "max_tokens": 8}, timeout=15)
+
+        t0 = time.monotonic()
+        threading.Thread(target=doomed, daemon=True).start()
+        while (r := httpx.get(svc.url + "/health")).status_code == 200:
+            assert time.monotonic() - t0 < 1 + 3, "/health still 200 well past the 1 s stall bound"
+            time.sleep(0.1)
+        elapsed = time.monotonic() - t0
+        assert r.status_code == 503 and r.json()["status"] == "stalled", r.text
+        assert 0.9 < elapsed < 4, elapsed
+        new = _complete(svc.url, {"prompt": "anyone?", "max_tokens": 2})
+        assert new.status_code == 503 and "no progress" in new.json()["error"]
+        # No WATCHDOG=1 once stalled: systemd would now kill and restart the unit.
+        svc.notify.poll(0.3)
+        quiet_since = time.monotonic()
+        svc.notify.poll(1.2)
+        assert svc.notify.count("WATCHDOG", since=quiet_since) == 0
+        assert "engine loop stalled" in svc.log()
+
+
+def test_model_that_fails_to_load_exits_nonzero_without_ready(model_dir: Path, workdir: Path) -> None:
+    broken = workdir / "broken"
+    broken.mkdir()
+    (broken / "model.safetensors").write_bytes((model_dir / "model.safetensors").read_bytes())
+    cfg = json.loads((model_dir / "config.json").read_text())
+    cfg["model"]["n_layer"] = 5  # weights for 4 layers
+    (broken / "config.json").write_text(json.dumps(cfg))
+    svc = Service(broken, workdir)
+    assert svc.proc.wait(90) == 1, svc.log()
+    svc.notify.poll(0.1)
+    assert svc.notify.count("READY") == 0
+    assert "does not match" in svc.log()
+    svc.stop()
+
+
+def test_cli_rejects_bad_arguments_in_one_line(tmp_path: Path) -> None:
+    def run(*args: str) -> subprocess.CompletedProcess[str]:
+        return subprocess.run([sys.executable, "-m", "shardstack", "serve", *args], capture_output=True, text=True,
+                              timeout=60)
+
+    missing = run("--model", str(tmp_path / "nope"))
+    assert missing.returncode == 2 and "does not exist" in missing.stderr and "Traceback" not in missing.stderr
+    (tmp_path / "m").mkdir()
+    (tmp_path / "m" / "config.json").write_text("{}")
+    incomplete = run("--model", str(tmp_path / "m"))
+    assert incomplete.returncode == 2 and "no model.safetensors" in incomplete.stderr
+    (tmp_path / "m" / "model.safetensors").write_bytes(b"")
+    (tmp_path / "token").write_text("\n")
+    no_token = run("--model", str(tmp_path / "m"), "--token-file", str(tmp_path / "token"))
+    assert no_token.returncode == 2 and "non-empty token" in no_token.stderr
+    bad_flag = run("--model", str(tmp_path / "m"), "--max-concurrency", "0")
+    assert bad_flag.returncode == 2 and "must be > 0" in bad_flag.stderr
