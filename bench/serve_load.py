@@ -190,6 +190,8 @@ def main(argv: list[str] | None = None) -> int:
     if args.token_file:
         args.serve_arg += ["--token-file", str(args.token_file)]
     out: dict[str, object] = {"load": {k: v for k, v in load.items() if k != "token"}}
+    # Closed-loop figures on a shared machine mean little without how busy it was.
+    out["host"] = {"cpus": os.cpu_count(), "loadavg_1m_before": round(os.getloadavg()[0], 2)}
 
     if args.url:
         out["result"] = asyncio.run(run_load(args.url, **load)).summary()
@@ -214,8 +216,11 @@ def main(argv: list[str] | None = None) -> int:
             out["throughput_ratio"] = on["rps"] / off["rps"] if off["rps"] else float("inf")  # type: ignore[index]
             if not args.json:
                 print(f"throughput ratio (batching on / off): {out['throughput_ratio']:.2f}")
+    out["host"]["loadavg_1m_after"] = round(os.getloadavg()[0], 2)  # type: ignore[index]
     if args.json:
         print(json.dumps(out, indent=2))
+    else:
+        print(f"host: {out['host']}")
     return 0
 
 
