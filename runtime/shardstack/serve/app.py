@@ -76,6 +76,38 @@ def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
     return _DTYPES[name]
 
 
+class Handoff:
+    """Delivers engine events (engine thread) to per-request asyncio queues (event loop).
+
+    The first event of a burst schedules one drain on the loop; the rest of the step's events ride along, so
+    the loop wakes once per engine step rather than once per request per token.
+    """
+
+    def __init__(self) -> None:
+        self.loop: asyncio.AbstractEventLoop | None = None
+        self._pending: list[tuple[asyncio.Queue[Event], Event]] = []
+        self._lock = threading.Lock()
+
+    def to(self, queue: asyncio.Queue[Event]) -> Callable[[Event], None]:
+        if self.loop is None:
+            self.loop = asyncio.get_running_loop()
+        return lambda ev: self._push(queue, ev)
+
+    def _push(self, queue: asyncio.Queue[Event], ev: Event) -> None:
+        with self._lock:
+            self._pending.append((queue, ev))
+            first = len(self._pending) == 1
+        if first:
+            assert self.loop is not None
+            self.loop.call_soon_threadsafe(self._drain)
+
+    def _drain(self) -> None:
+        with self._lock:
+            pending, self._pending = self._pending, []
+        for queue, ev in pending:
+            queue.put_nowait(ev)
+
+
 class Service:
     """Owns the engine and everything the routes need to decide what to answer."""
 
@@ -92,6 +124,7 @@ class Service:
         self.device: torch.device | None = None
         self.dtype: torch.dtype | None = None
         self.on_failure: Callable[[], None] = lambda: None  # the server sets this to stop itself
+        self.handoff = Handoff()
         self._listening = False
         self._lock = threading.Lock()
         self._ready_sent = False
@@ -285,10 +318,9 @@ async def completions(request: Request) -> Response:
     assert svc.limits is not None
     req = parse_completion(data, svc.limits, svc.name)
 
-    loop = asyncio.get_running_loop()
     events: asyncio.Queue[Event] = asyncio.Queue()
-    seq = Sequence(req.prompt, req.max_tokens, req.sampling, req.stop,
-                   emit=lambda ev: loop.call_soon_threadsafe(events.put_nowait, ev))
+    seq = Sequence(req.prompt, req.max_tokens, req.sampling, req.stop, emit=svc.handoff.to(events),
+                   stream=req.stream)
     try:
         engine.submit(seq)
     except QueueFull:
@@ -322,24 +354,19 @@ async def _complete(request: Request, engine: Engine, seq: Sequence, events: asy
                     req: CompletionRequest, meta: dict[str, Any]) -> Response:
     # Watch for the client going away so an abandoned request frees its slot instead of running to max_tokens.
     gone = asyncio.ensure_future(_wait_disconnect(request.receive))
-    parts: list[bytes] = []
+    result = asyncio.ensure_future(events.get())  # a non-streamed sequence reports once, when finished
     try:
-        while True:
-            getter = asyncio.ensure_future(events.get())
-            await asyncio.wait({getter, gone}, return_when=asyncio.FIRST_COMPLETED)
-            if not getter.done():
-                getter.cancel()
-                engine.cancel(seq)
-                return Response(status_code=499)  # nobody reads it; uvicorn drops it
-            ev = getter.result()
-            if ev.error:
-                raise _engine_failure(ev)
-            parts.append(ev.data)
-            if ev.finish_reason:
-                break
+        await asyncio.wait({result, gone}, return_when=asyncio.FIRST_COMPLETED)
     finally:
         gone.cancel()
-    choice = {"text": decode(b"".join(parts)), "index": 0, "logprobs": None, "finish_reason": ev.finish_reason}
+    if not result.done():
+        result.cancel()
+        engine.cancel(seq)
+        return Response(status_code=499)  # nobody reads it; uvicorn drops it
+    ev = result.result()
+    if ev.error:
+        raise _engine_failure(ev)
+    choice = {"text": decode(ev.data), "index": 0, "logprobs": None, "finish_reason": ev.finish_reason}
     return JSONResponse({**meta, "choices": [choice], "usage": _usage(req, ev.completion_tokens)})
 
 

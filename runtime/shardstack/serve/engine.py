@@ -54,6 +54,7 @@ class Sequence:
     stop: list[bytes]
     emit: Callable[[Event], None]
     internal: bool = False  # warm-up traffic: not counted in metrics, not subject to failpoints
+    stream: bool = True  # False: one Event at the end instead of one per released chunk
     id: int = field(default_factory=itertools.count().__next__)
     arrived: float = field(default_factory=time.monotonic)
     slot: int = -1
@@ -67,6 +68,7 @@ class Sequence:
     def __post_init__(self) -> None:
         self.generator = make_generator(self.params.seed)
         self.out = StopBuffer(self.stop)
+        self.held = bytearray()  # released output of a non-streamed request
 
 
 class EngineMetrics:
@@ -320,5 +322,9 @@ class Engine:
                 data += seq.out.flush()
             if finish:
                 seq.finished = True
-            if data or finish:
+            if not seq.stream:
+                seq.held += data
+                if finish:
+                    seq.emit(Event(data=bytes(seq.held), finish_reason=finish, completion_tokens=seq.generated))
+            elif data or finish:
                 seq.emit(Event(data=data, finish_reason=finish, completion_tokens=seq.generated))
