@@ -4,7 +4,7 @@ previous one ends. Prints RPS, latency and time-to-first-token percentiles, toke
     # against a running service
     bench/serve_load.py --url http://127.0.0.1:8000 --concurrency 16 --duration 20
     # spawn the service twice on a model dir (batching on: --max-concurrency C, off: 1) and compare
-    bench/serve_load.py --model DIR --compare --concurrency 16 --duration 20
+    bench/serve_load.py --model DIR --compare --concurrency 16 --duration 10 --rounds 3
     # same, on a seeded random model of a preset size (no export needed)
     bench/serve_load.py --demo small --compare
 
@@ -40,6 +40,13 @@ class Result:
     tokens: int = 0
     codes: Counter[str] = field(default_factory=Counter)
     seconds: float = 0.0
+
+    def merge(self, other: Result) -> None:
+        self.latencies += other.latencies
+        self.ttfts += other.ttfts
+        self.tokens += other.tokens
+        self.codes.update(other.codes)
+        self.seconds += other.seconds
 
     def summary(self) -> dict[str, float | int | dict[str, int]]:
         ok = len(self.latencies)
@@ -175,7 +182,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--compare", action="store_true",
                    help="spawned service only: run with batching on and off and print the ratio")
     p.add_argument("--concurrency", type=int, default=16)
-    p.add_argument("--duration", type=float, default=15.0, help="measured seconds per run")
+    p.add_argument("--duration", type=float, default=10.0, help="measured seconds per run")
+    p.add_argument("--rounds", type=int, default=2, help="spawned services: measured runs per mode, alternating")
     p.add_argument("--warmup", type=float, default=2.0, help="unmeasured seconds before each run")
     p.add_argument("--max-tokens", type=int, default=16, help="completion length (short by default)")
     p.add_argument("--prompt-bytes", type=int, default=32)
@@ -198,24 +206,39 @@ def main(argv: list[str] | None = None) -> int:
         if not args.json:
             _print("result", out["result"])  # type: ignore[arg-type]
     else:
-        with tempfile.TemporaryDirectory() as tmp:
+        with tempfile.TemporaryDirectory() as tmp, contextlib.ExitStack() as stack:
             model = args.model
             if model is None:
                 from shardstack.serve.demo import write_random_model
 
                 model = write_random_model(Path(tmp) / f"demo-{args.demo}", args.demo)
             out["model"] = str(args.model or f"random {args.demo}")
-            runs = [("batching_on", args.concurrency)] + ([("batching_off", 1)] if args.compare else [])
-            for label, slots in runs:
-                with spawned_service(model, slots, args.serve_arg) as url:
-                    out[label] = asyncio.run(run_load(url, **load)).summary()
+            modes = {"batching_on": args.concurrency, **({"batching_off": 1} if args.compare else {})}
+            # Both services run side by side (an idle one costs next to nothing) and the measurement windows
+            # alternate, so a neighbour's load on a shared machine hits both modes alike.
+            urls = {label: stack.enter_context(spawned_service(model, slots, args.serve_arg))
+                    for label, slots in modes.items()}
+            pooled = {label: Result() for label in modes}
+            rounds = []
+            for _ in range(args.rounds):
+                this_round = {}
+                for label, url in urls.items():
+                    r = asyncio.run(run_load(url, **load))
+                    this_round[label] = r.summary()["rps"]
+                    pooled[label].merge(r)
+                rounds.append(this_round)
+            for label in modes:
+                out[label] = pooled[label].summary()
                 if not args.json:
                     _print(label, out[label])  # type: ignore[arg-type]
+            if args.compare:
+                out["round_ratios"] = [round(r["batching_on"] / r["batching_off"], 2) for r in rounds]
         if args.compare:
             on, off = out["batching_on"], out["batching_off"]
             out["throughput_ratio"] = on["rps"] / off["rps"] if off["rps"] else float("inf")  # type: ignore[index]
             if not args.json:
-                print(f"throughput ratio (batching on / off): {out['throughput_ratio']:.2f}")
+                print(f"throughput ratio (batching on / off): {out['throughput_ratio']:.2f}"
+                      f"  (per round: {out['round_ratios']})")
     out["host"]["loadavg_1m_after"] = round(os.getloadavg()[0], 2)  # type: ignore[index]
     if args.json:
         print(json.dumps(out, indent=2))

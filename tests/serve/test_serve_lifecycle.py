@@ -25,7 +25,7 @@ def _complete(url: str, body: dict, timeout: float = 120) -> httpx.Response:
 def test_overload_gets_429_with_retry_after_and_no_5xx(model_dir: Path, workdir: Path) -> None:
     # 2 running + 2 queued fit; 12 at once must overflow, and every admitted request must still finish.
     with running_service(model_dir, workdir, "--max-concurrency", "2", "--max-queue", "2") as svc:
-        body = {"prompt": "overload", "max_tokens": 120, "temperature": 1.0}
+        body = {"prompt": "overload", "max_tokens": 64, "temperature": 1.0}
         barrier = threading.Barrier(12)
 
         def fire(_: int) -> httpx.Response:
@@ -42,7 +42,7 @@ def test_overload_gets_429_with_retry_after_and_no_5xx(model_dir: Path, workdir:
                 assert int(r.headers["retry-after"]) >= 1
                 assert r.json()["error_type"] == "rate_limit_exceeded"
             else:
-                assert r.json()["usage"]["completion_tokens"] == 120
+                assert r.json()["usage"]["completion_tokens"] == 64
                 assert r.json()["choices"][0]["finish_reason"] == "length"
         metrics = httpx.get(svc.url + "/metrics").text
         assert f'shardstack_infer_requests_total{{code="429"}} {codes.count(429)}.0' in metrics
