@@ -88,8 +88,9 @@ def _verify(args: argparse.Namespace) -> int:
 
 
 def _export(args: argparse.Namespace) -> int:
-    from shardstack.export import export_checkpoint
+    from shardstack.export import export_checkpoint, tune_allocator
 
+    tune_allocator()
     result = export_checkpoint(args.checkpoint, args.out, dtype=args.dtype, verify=not args.no_verify)
     print(
         f"exported step {result.step}: {result.tensors} tensors, {result.bytes_written / 2**20:.1f} MiB "

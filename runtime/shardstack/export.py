@@ -68,6 +68,27 @@ def _peak_rss_bytes() -> int:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # KiB on Linux
 
 
+def tune_allocator() -> None:
+    """Make glibc return each freed tensor buffer to the OS at once (call it in a process that exports).
+
+    glibc raises its mmap threshold every time a large mmapped block is freed, so after the first few tensors
+    later ones come from the heap, which does not shrink: the process's peak then creeps up with the model's size
+    instead of staying near the largest tensor. A fixed 1 MiB threshold keeps every tensor buffer mmapped.
+    """
+    import ctypes
+    import ctypes.util
+
+    libc_name = ctypes.util.find_library("c")
+    if not libc_name:
+        return
+    try:
+        mallopt = ctypes.CDLL(libc_name).mallopt
+    except (OSError, AttributeError):  # not glibc
+        return
+    m_mmap_threshold = -3
+    mallopt(m_mmap_threshold, 1 << 20)
+
+
 def _model_config(manifest: dict[str, Any]) -> dict[str, Any]:
     """GPTConfig fields from the job config the trainer recorded in the manifest."""
     job = manifest.get("job_config")

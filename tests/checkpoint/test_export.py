@@ -85,7 +85,8 @@ def test_export_refuses_a_damaged_checkpoint(saved: tuple[Path, AppState], tmp_p
 
 PEAK_SCRIPT = textwrap.dedent("""
     import json, sys
-    from shardstack.export import export_checkpoint
+    from shardstack.export import export_checkpoint, tune_allocator
+    tune_allocator()  # as `shardstack export` does
     with open("/proc/self/clear_refs", "w") as f:
         f.write("5")  # reset the peak-RSS mark (VmHWM) to the current RSS: the baseline after imports
     before = int(next(l for l in open("/proc/self/status") if l.startswith("VmRSS:")).split()[1]) * 1024
