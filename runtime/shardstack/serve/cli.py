@@ -6,6 +6,7 @@ import argparse
 import json
 import logging
 import os
+from collections.abc import Callable
 from pathlib import Path
 
 from shardstack.errors import ShardstackError
@@ -15,14 +16,14 @@ log = logging.getLogger(__name__)
 FAILPOINT_ENV = "SHARDSTACK_SERVE_FAILPOINT"  # test-only fault injection (e.g. engine_hang)
 
 
-def _positive(kind: type) -> object:
-    def parse(text: str) -> int | float:
+def _positive(kind: Callable[[str], float]) -> Callable[[str], float]:
+    def parse(text: str) -> float:
         value = kind(text)
         if value <= 0:
             raise argparse.ArgumentTypeError(f"must be > 0, got {text}")
         return value
 
-    parse.__name__ = kind.__name__
+    parse.__name__ = getattr(kind, "__name__", "number")  # argparse names the type in errors
     return parse
 
 

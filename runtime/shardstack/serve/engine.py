@@ -221,7 +221,9 @@ class Engine:
         return admitted
 
     def _run(self) -> None:
-        log.info("engine loop started: %d slots x %d tokens on %s", self.max_batch, self.context, self.device)
+        kv_bytes = 2 * self.cache.k.numel() * self.cache.k.element_size()
+        log.info("engine loop started: %d slots x %d tokens on %s, KV cache %.1f MiB", self.max_batch, self.context,
+                 self.device, kv_bytes / 2**20)
         while True:
             with self._cond:
                 self._beat()
