@@ -46,7 +46,8 @@ def test_targets_from_the_sample_inventory() -> None:
     # ops01 is both monitoring server and load balancer: scraped once per job, at the address it was given once.
     assert got["prometheus"] == [("ops01", "192.0.2.31:9090")]
     assert got["loadbalancer"] == [("ops01", "192.0.2.31:8404")]
-    assert got["trainer"] == [("gpu01", "192.0.2.11:9400")]  # rank 0 only
+    # c10d may put rank 0 (the one serving metrics) on any train node.
+    assert got["trainer"] == [("gpu01", "192.0.2.11:9400"), ("gpu02", "192.0.2.12:9400")]
     assert got["inference"] == [("gpu03", "192.0.2.13:8000"), ("gpu04", "192.0.2.14:8000")]
     assert got["dcgm"] == []  # no host has recorded an active DCGM exporter
 
@@ -72,12 +73,13 @@ def test_targets_from_a_generated_lab_inventory() -> None:
     assert [g["targets"][0] for g in got["node"]] == ["10.213.0.11:9100", "10.213.0.12:9100", "10.213.0.13:9100"]
     assert {g["labels"]["node"]: g["labels"]["train_node"] for g in got["node"]} == {
         n: ("true" if n in layout["train_nodes"] else "false") for n in names}
-    assert [g["labels"]["node"] for g in got["trainer"]] == layout["train_nodes"][:1]
+    assert [g["labels"]["node"] for g in got["trainer"]] == layout["train_nodes"]
     assert [g["labels"]["node"] for g in got["inference"]] == layout["inference_nodes"]
 
 
 def test_target_address_override_ipv6_and_disabled_jobs() -> None:
     jobs = [{"name": "node", "groups": ["all"], "port": "9100"},
+            {"name": "first", "groups": ["all"], "port": 1, "first_host_only": True},
             {"name": "inference", "groups": ["inference_nodes"], "port": 8000, "enabled": "false"}]
     groups = {"all": ["a", "b", "c"], "inference_nodes": ["a"]}
     hostvars = {"a": {"ansible_host": "192.0.2.1", "prometheus_target_address": "a.mgmt"},
@@ -85,6 +87,7 @@ def test_target_address_override_ipv6_and_disabled_jobs() -> None:
     got = targets_filter(jobs, groups, hostvars)
     assert [g["targets"][0] for g in got["node"]] == ["a.mgmt:9100", "[2001:db8::2]:9100", "c:9100"]
     assert "inference" not in got
+    assert [g["labels"]["node"] for g in got["first"]] == ["a"]
 
 
 def test_duplicate_job_names_are_rejected() -> None:
