@@ -49,6 +49,23 @@ def test_overload_gets_429_with_retry_after_and_no_5xx(model_dir: Path, workdir:
         assert 'code="5' not in metrics
         assert httpx.get(svc.url + "/health").json()["status"] == "ok"
 
+        # A client that goes away mid-stream frees its slot instead of decoding to max_tokens.
+        before = _generated(svc.url)
+        body = {"prompt": "bye", "max_tokens": 250, "stream": True}
+        with httpx.stream("POST", svc.url + "/v1/completions", json=body, timeout=60) as r:
+            next(line for line in r.iter_lines() if line)
+        deadline = time.monotonic() + 20
+        while httpx.get(svc.url + "/health").json()["running"] and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert httpx.get(svc.url + "/health").json()["running"] == 0
+        assert _generated(svc.url) - before < 250
+
+
+def _generated(url: str) -> float:
+    line = next(x for x in httpx.get(url + "/metrics").text.splitlines()
+                if x.startswith("shardstack_infer_generation_tokens_total "))
+    return float(line.split()[1])
+
 
 def test_sigterm_drains_in_flight_refuses_new_and_exits_zero(model_dir: Path, workdir: Path) -> None:
     with running_service(model_dir, workdir, "--drain-seconds", "60") as svc:
