@@ -54,6 +54,8 @@ class RunResult:
     seconds: float
     artifact_dir: str
     hosts: dict[str, HostResult] = field(default_factory=dict)
+    # What the playbook published with ansible.builtin.set_stats (e.g. validate.yml's measurements).
+    data: dict[str, Any] = field(default_factory=dict)
 
     @property
     def success(self) -> bool:
@@ -104,10 +106,13 @@ def run_playbook(
     cmdline = " ".join(x for x in ("--check --diff" if check else "", f"--skip-tags {skip_tags}" if skip_tags else "")
                        if x)
     hosts: dict[str, HostResult] = {}
+    published: dict[str, Any] = {}
 
     def handle(event: Event) -> bool:
         data = event.get("event_data", {})
         host = data.get("host")
+        if event.get("event") == "playbook_on_stats":
+            published.update(data.get("artifact_data") or {})
         if event.get("event") in ("runner_on_failed", "runner_on_unreachable") and host and \
                 not data.get("ignore_errors"):
             res = data.get("res", {})
@@ -142,4 +147,65 @@ def run_playbook(
     for hr in hosts.values():  # ansible counts changed tasks inside ok
         hr.ok -= hr.changed
     return RunResult(playbook=playbook, status=runner.status, rc=runner.rc, seconds=time.monotonic() - started,
-                     artifact_dir=str(runner.config.artifact_dir), hosts=dict(sorted(hosts.items())))
+                     artifact_dir=str(runner.config.artifact_dir), hosts=dict(sorted(hosts.items())),
+                     data=published)
+
+
+@dataclass
+class CommandResult:
+    """One host's answer to an ad-hoc command."""
+
+    host: str
+    rc: int
+    stdout: str = ""
+    stderr: str = ""
+    unreachable: bool = False
+    message: str | None = None
+
+    @property
+    def success(self) -> bool:
+        return self.rc == 0 and not self.unreachable
+
+
+def run_command(
+    argv: list[str],
+    inventory: Path,
+    pattern: str,
+    *,
+    become: bool = True,
+    artifacts: Path | None = None,
+    timeout: int | None = None,
+) -> dict[str, CommandResult]:
+    """Run one command on every host matching `pattern` (ansible-runner's ad-hoc mode) → per-host results."""
+    import shlex
+
+    import ansible_runner
+
+    root = project_dir()
+    inventory = inventory.resolve()
+    if not inventory.exists():
+        raise ShardstackError(f"inventory {inventory} does not exist",
+                              hint="for the local lab run `shardstack lab up` first")
+    artifacts = (artifacts or root / "artifacts" / "adhoc").resolve()
+    artifacts.mkdir(parents=True, exist_ok=True)
+    results: dict[str, CommandResult] = {}
+
+    def handle(event: Event) -> bool:
+        kind, data = event.get("event"), event.get("event_data", {})
+        host, res = data.get("host"), data.get("res") or {}
+        if kind in ("runner_on_ok", "runner_on_failed"):
+            results[host] = CommandResult(host, int(res.get("rc", 0 if kind == "runner_on_ok" else 1)),
+                                          res.get("stdout", ""), res.get("stderr", ""),
+                                          message=None if kind == "runner_on_ok" else str(res.get("msg", ""))[:500])
+        elif kind == "runner_on_unreachable":
+            results[host] = CommandResult(host, -1, unreachable=True, message=str(res.get("msg", ""))[:500])
+        return True
+
+    ansible_runner.run(
+        private_data_dir=str(artifacts), host_pattern=pattern, inventory=str(inventory),
+        module="ansible.builtin.command", module_args=shlex.join(argv),
+        cmdline="--become" if become else None, timeout=timeout,
+        envvars={"ANSIBLE_CONFIG": str(root / "ansible.cfg"), "ANSIBLE_FORCE_COLOR": "0"},
+        event_handler=handle, quiet=True, rotate_artifacts=20,
+    )
+    return dict(sorted(results.items()))

@@ -1,0 +1,152 @@
+"""Day-2 helpers on a deployed cluster: inventory lookups, waiting for a job, export to the serving directory,
+and a client for the inference endpoint through the load balancer. Everything goes through ansible-runner (or
+plain HTTP to the load balancer), so it works the same on the lab and on a real cluster.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+import urllib.error
+import urllib.request
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from shardstack.errors import ShardstackError
+from shardstack.ops import train as train_ops
+from shardstack.ops.runner import run_command
+
+VENV = "/opt/shardstack/venv"
+SHARED_DIR = "/srv/shardstack"  # training_runtime_shared_dir's default (the shared_storage mount point)
+LB_PORT = 8080  # loadbalancer_port's default
+SERVICE_USER = "shardstack"
+
+
+def inventory_hosts(inventory: Path) -> dict[str, Any]:
+    """`ansible-inventory --list` through ansible-runner: {"groups": {name: [hosts]}, "hostvars": {...}}."""
+    import ansible_runner
+
+    out, err = ansible_runner.get_inventory(action="list", inventories=[str(inventory.resolve())],
+                                            response_format="json", quiet=True)
+    if not isinstance(out, dict):
+        raise ShardstackError(f"cannot read inventory {inventory}: {err or out}")
+    hostvars = out.get("_meta", {}).get("hostvars", {})
+    groups: dict[str, list[str]] = {}
+
+    def hosts_of(group: str) -> list[str]:
+        node = out.get(group, {})
+        found = list(node.get("hosts", []))
+        for child in node.get("children", []):
+            found += [h for h in hosts_of(child) if h not in found]
+        return found
+
+    for group in out:
+        if group != "_meta":
+            groups[group] = hosts_of(group)
+    return {"groups": groups, "hostvars": hostvars}
+
+
+def address(inv: dict[str, Any], host: str) -> str:
+    return inv["hostvars"].get(host, {}).get("ansible_host", host)
+
+
+def group(inv: dict[str, Any], name: str) -> list[str]:
+    hosts = inv["groups"].get(name, [])
+    if not hosts:
+        raise ShardstackError(f"the inventory has no hosts in group {name}")
+    return hosts
+
+
+def wait_job(name: str, inventory: Path, timeout: float, *, poll: float = 5.0,
+             on_status=None) -> train_ops.JobStatus:
+    """Poll `train status` until the job has finished (or failed, or the timeout passed)."""
+    deadline = time.monotonic() + timeout
+    seen_running = False
+    while True:
+        st = train_ops.status(name, inventory)
+        if on_status:
+            on_status(st)
+        seen_running |= st.state == "running"
+        # A freshly started unit may not be active yet on every node: "finished" counts only after it ran.
+        if st.state == "failed" or (st.state in ("finished", "stopped") and (seen_running or st.last_step)):
+            return st
+        if time.monotonic() > deadline:
+            raise ShardstackError(f"job {name} still {st.state} after {timeout:.0f}s",
+                                  hint=f"shardstack train logs {name}")
+        time.sleep(poll)
+
+
+@dataclass
+class ExportResult:
+    host: str
+    out_dir: str
+    current: str
+    output: str
+
+
+def export_current(inventory: Path, checkpoint_dir: str, name: str, *, shared_dir: str = SHARED_DIR) -> ExportResult:
+    """Export the newest valid checkpoint to <shared>/exports/<name> and point <shared>/exports/current at it.
+
+    The switch is a symlink rename, so an inference node (re)starting at any moment sees either the old or the
+    new model, never half of one.
+    """
+    inv = inventory_hosts(inventory)
+    head = group(inv, "train_nodes")[0]
+    models = f"{shared_dir}/exports"
+    out = f"{models}/{name}"
+    as_service = ["runuser", "-u", SERVICE_USER, "--"]
+    res = run_command([*as_service, f"{VENV}/bin/shardstack", "export", "--checkpoint", checkpoint_dir, "--out", out],
+                      inventory, head)[head]
+    if not res.success:
+        raise ShardstackError(f"export on {head} failed: {(res.stderr or res.stdout or res.message or '')[-800:]}")
+    link = run_command([*as_service, "ln", "-sfn", "--no-target-directory", name, f"{models}/.current.tmp"],
+                       inventory, head)[head]
+    move = run_command([*as_service, "mv", "-T", f"{models}/.current.tmp", f"{models}/current"], inventory, head)[head]
+    if not (link.success and move.success):
+        raise ShardstackError(f"could not point {models}/current at {name}: {link.stderr or move.stderr}")
+    return ExportResult(head, out, f"{models}/current", (res.stdout + res.stderr).strip())
+
+
+def load_token(inventory: Path) -> str | None:
+    """The bearer token the inference_service role generated (kept beside the inventory on the controller)."""
+    path = inventory.resolve().parent / "credentials" / "inference-token"
+    return path.read_text().strip() if path.is_file() else None
+
+
+def lb_url(inventory: Path, port: int = LB_PORT) -> str:
+    inv = inventory_hosts(inventory)
+    return f"http://{address(inv, group(inv, 'loadbalancer')[0])}:{port}"
+
+
+@dataclass
+class Completion:
+    status: int
+    seconds: float
+    text: str
+    body: dict[str, Any]
+
+
+def complete(url: str, prompt: str, *, token: str | None, max_tokens: int = 32, temperature: float = 0.0,
+             timeout: float = 30.0) -> Completion:
+    """POST /v1/completions (non-streaming) and time it."""
+    payload = json.dumps({"prompt": prompt, "max_tokens": max_tokens, "temperature": temperature}).encode()
+    headers = {"Content-Type": "application/json"}
+    if token:
+        headers["Authorization"] = f"Bearer {token}"
+    req = urllib.request.Request(f"{url}/v1/completions", data=payload, headers=headers, method="POST")
+    t = time.monotonic()
+    try:
+        with urllib.request.urlopen(req, timeout=timeout) as resp:
+            status, raw = resp.status, resp.read()
+    except urllib.error.HTTPError as exc:
+        status, raw = exc.code, exc.read()
+    except (urllib.error.URLError, OSError) as exc:
+        return Completion(-1, time.monotonic() - t, "", {"error": str(exc)})
+    seconds = time.monotonic() - t
+    try:
+        body = json.loads(raw)
+    except ValueError:
+        body = {"raw": raw[:500].decode(errors="replace")}
+    text = (body.get("choices") or [{}])[0].get("text", "") if status == 200 else ""
+    return Completion(status, seconds, text, body)
