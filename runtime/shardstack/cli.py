@@ -20,10 +20,14 @@ _COMMAND_MODULES: list[tuple[str, str, str]] = [
     ("deploy", "shardstack.ops.cli", "run site.yml (or parts of it) through ansible-runner"),
     ("data", "shardstack.train_cli", "prepare token shards for training"),
     ("train", "shardstack.train_cli", "run a sharded training job (ZeRO stage 0-3)"),
+    ("train", "shardstack.ops.train", "training jobs on the cluster: submit, status, stop, logs"),
     ("estimate", "shardstack.train_cli", "predict per-rank training memory for each ZeRO stage"),
     ("checkpoint", "shardstack.checkpoint_cli", "list and verify training checkpoints"),
     ("export", "shardstack.checkpoint_cli", "consolidate a checkpoint into safetensors for serving"),
     ("serve", "shardstack.serve.cli", "OpenAI-compatible inference service for an exported model"),
+    ("serve", "shardstack.ops.serve", "serve rollout: upgrade the inference nodes one at a time"),
+    ("check", "shardstack.ops.cli", "preflight: reach every node, check the inventory"),
+    ("validate", "shardstack.ops.cli", "validate a deployed cluster: GPUs, NCCL, all-reduce, storage, inference"),
     ("wheelhouse", "shardstack.ops.wheelhouse", "build the offline wheelhouse the nodes install shardstack from"),
     ("demo", "shardstack.ops.cli", "the lab end to end: lab up, site.yml, summary"),
 ]
@@ -40,7 +44,8 @@ def build_parser(argv: list[str]) -> argparse.ArgumentParser:
         if module in seen:
             continue
         if wanted is None or wanted not in {n for n, m, _ in _COMMAND_MODULES if m == module}:
-            sub.add_parser(name, help=help_, add_help=False)
+            if name not in sub.choices:  # several modules may add to one command (e.g. train)
+                sub.add_parser(name, help=help_, add_help=False)
             continue
         seen.add(module)
         importlib.import_module(module).register(sub)
