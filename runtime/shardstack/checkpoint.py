@@ -63,6 +63,11 @@ def step_dir_name(step: int) -> str:
     return f"step_{step:08d}"
 
 
+def is_step_dir(path: str | os.PathLike) -> bool:
+    """Named like a committed checkpoint (step_XXXXXXXX); whether it is valid is verify_checkpoint's question."""
+    return bool(_STEP_RE.match(Path(path).name))
+
+
 # --------------------------------------------------------------------------------------------- filesystem helpers
 
 
@@ -191,7 +196,7 @@ def resolve_checkpoint(path: str | os.PathLike, *, checksums: bool = True) -> Ch
     path = Path(path)
     if not path.is_dir():
         raise ShardstackError(f"checkpoint directory {path} does not exist")
-    if (path / MANIFEST).is_file() or _STEP_RE.match(path.name):
+    if (path / MANIFEST).is_file() or is_step_dir(path):
         info = verify_checkpoint(path, checksums=checksums)
         if not info.valid:
             raise ShardstackError(f"checkpoint {path} is not valid: {info.problem}")
@@ -311,10 +316,11 @@ class Checkpointer:
         step = int(manifest["step"])
         self.last_saved_step = step
         if self.rank == 0:
+            restart = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") or 0)
             log.info(
-                "resumed from %s (step %d, saved by %d ranks at stage %s; now %d ranks) in %.1fs",
-                path, step, manifest.get("world_size"), manifest.get("stage"), self.world_size,
-                time.monotonic() - t0,
+                "%sresumed from %s (step %d, saved by %d ranks at stage %s; now %d ranks) in %.1fs",
+                f"elastic restart {restart}: " if restart else "", path, step, manifest.get("world_size"),
+                manifest.get("stage"), self.world_size, time.monotonic() - t0,
             )
         return step
 

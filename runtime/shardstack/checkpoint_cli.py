@@ -32,11 +32,11 @@ def register(sub: argparse._SubParsersAction) -> None:
 
 
 def _infos(root: Path, *, checksums: bool):
-    from shardstack.checkpoint import MANIFEST, list_checkpoints, verify_checkpoint
+    from shardstack.checkpoint import MANIFEST, is_step_dir, list_checkpoints, verify_checkpoint
 
     if not root.is_dir():
         raise ShardstackError(f"{root} is not a directory")
-    if (root / MANIFEST).is_file():
+    if (root / MANIFEST).is_file() or is_step_dir(root):
         return [verify_checkpoint(root, checksums=checksums)]
     infos = [verify_checkpoint(path, checksums=checksums) for _, path in list_checkpoints(root)]
     if not infos:

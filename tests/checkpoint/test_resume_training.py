@@ -80,7 +80,7 @@ def assert_continues(resumed: dict[int, float], reference: dict[int, float], ste
 
 
 def resumed_step(output: str) -> int:
-    m = re.search(r"resumed from \S+step_(\d{8}) \(step (\d+)", output)
+    m = re.search(r"(?:elastic restart \d+: )?resumed from \S+step_(\d{8}) \(step (\d+)", output)
     assert m, output[-4000:]
     return int(m.group(2))
 
@@ -214,6 +214,7 @@ def test_kill_9_of_a_worker_under_torchrun_restarts_from_the_newest_checkpoint(d
     assert killed_at is not None
     assert re.search(r"failed \(exitcode: -9\) local_rank: 1", text), text[-4000:]
     assert re.search(r"Worker group FAILED\. \d/3 attempts left; will restart worker group", text), text[-4000:]
+    assert re.search(r"elastic restart [1-3]: resumed from \S+step_\d{8}", text), text[-4000:]
     restart = resumed_step(text)
     last_before = max(before)  # the newest step rank 0 reported before the kill took the group down
     assert restart % INTERVAL == 0 and 0 < last_before - restart <= INTERVAL, (restart, last_before)
