@@ -111,3 +111,16 @@ def test_heartbeat_advances_while_idle(engine: Engine) -> None:
     before = engine.heartbeat
     time.sleep(engine.idle_tick * 2.5)
     assert engine.heartbeat > before and engine.heartbeat_age() < engine.idle_tick * 2
+
+
+def test_half_precision_engine_generates(model_dir: Path) -> None:
+    # The GPU default is bf16 weights and KV cache; the same code path runs (slowly) on CPU.
+    half = load_model(model_dir, "cpu", torch.bfloat16)[0]
+    eng = Engine(half, max_batch=2, max_queue=0, device="cpu", dtype=torch.bfloat16)
+    assert eng.cache.k.dtype == torch.bfloat16
+    eng.start()
+    try:
+        data, finish = eng.generate(list(b"bf16"), 8, SamplingParams(temperature=0.0))
+        assert (len(data), finish) == (8, "length")
+    finally:
+        eng.stop()
