@@ -154,7 +154,8 @@ class Service:
             engine.start()
             self.engine, self.meta = engine, meta
             # Warm-up: prefill and decode once so the first client does not pay for allocator and kernel setup.
-            engine.generate(list(b"warm up"), min(4, context - 8), SamplingParams(seed=0), internal=True)
+            prompt = list(b"warm up")[: max(1, context // 2)]
+            engine.generate(prompt, max(1, min(4, context - len(prompt))), SamplingParams(seed=0), internal=True)
         except Exception as exc:
             log.exception("loading the model from %s failed", s.model_dir)
             self.failure = f"{type(exc).__name__}: {exc}"
