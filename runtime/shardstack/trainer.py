@@ -252,5 +252,5 @@ def _log_memory(cfg: JobConfig, engine: Engine, micro: int, seq_len: int, accum:
                                "total": est.total, "peak": est.peak}
     if engine.dist.is_main:
         log.info("memory rank 0 (params+grads+optimizer): estimated %.2f MiB, measured %.2f MiB (ratio %.3f); "
-                 "estimated peak %.2f MiB", est.total / 2**20, measured["total"] / 2**20,
+                 "estimated device peak in a step %.2f MiB", est.total / 2**20, measured["total"] / 2**20,
                  measured["total"] / est.total if est.total else float("nan"), est.peak / 2**20)

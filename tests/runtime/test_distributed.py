@@ -50,6 +50,12 @@ def test_losses_match_stage0(results, stage):
     assert _close(losses, base), (stage, losses, base)
 
 
+@pytest.mark.parametrize("variant", ["0-every", "2-every", "3-every", "3-prefetch2"])
+def test_sync_every_micro_batch_and_prefetch_keep_the_math(results, variant):
+    assert _close(results[0]["stages"][variant]["losses"], results[0]["stages"][0]["losses"])
+    assert _max_diff(results[0]["stages"][variant]["params"], results[0]["stages"][0]["params"]) < 1e-5
+
+
 def test_stage0_matches_a_single_process_reference(results):
     """DDP on 2 ranks with accumulation 2 == one process over the whole global batch."""
     ref = results[0]["reference"]
@@ -59,7 +65,7 @@ def test_stage0_matches_a_single_process_reference(results):
 
 def test_clipping_was_active_and_global(results):
     # Every rank must see the same global norm (sum over shards), and it must exceed the clip so clipping acted.
-    for stage in range(4):
+    for stage in [0, 1, 2, 3, "3-every"]:
         n0, n1 = results[0]["stages"][stage]["norms"], results[1]["stages"][stage]["norms"]
         assert n0 == pytest.approx(n1, rel=1e-6)
         assert n0 == pytest.approx(results[0]["stages"][0]["norms"], rel=1e-4)

@@ -38,13 +38,13 @@ def full(t: torch.Tensor) -> torch.Tensor:
     return (t.full_tensor() if isinstance(t, DTensor) else t).detach().clone()
 
 
-def new_engine(stage: int, info, seed: int = 0):
+def new_engine(stage: int, info, seed: int = 0, **engine_kwargs):
     torch.manual_seed(seed)
-    return build_engine(GPT(MODEL), EngineConfig(stage=stage), OPTIM, info)
+    return build_engine(GPT(MODEL), EngineConfig(stage=stage, **engine_kwargs), OPTIM, info)
 
 
-def run_stage(stage: int, info, data) -> tuple[dict, object]:
-    eng = new_engine(stage, info)
+def run_stage(stage: int, info, data, **engine_kwargs) -> tuple[dict, object]:
+    eng = new_engine(stage, info, **engine_kwargs)
     losses, norms = [], []
     for batch in data:
         losses.append(eng.forward_backward(rank_micro_batches(batch, info.rank, info.world_size)))
@@ -106,6 +106,12 @@ def main() -> None:
     engines = {}
     for stage in range(4):
         res["stages"][stage], engines[stage] = run_stage(stage, info, data[:STEPS])
+    # The other accumulation semantics and explicit prefetch must not change the math.
+    for name, stage, kwargs in [("0-every", 0, {"accumulation_sync": "every"}),
+                                ("3-every", 3, {"accumulation_sync": "every"}),
+                                ("2-every", 2, {"accumulation_sync": "every"}),
+                                ("3-prefetch2", 3, {"prefetch": 2})]:
+        res["stages"][name] = run_stage(stage, info, data[:STEPS], **kwargs)[0]
     res["trip_3_to_1"] = round_trip(engines[3], 1, info, out / "ckpt31", data[STEPS])
     res["trip_1_to_2"] = round_trip(engines[1], 2, info, out / "ckpt12", data[STEPS + 1])
     if info.rank == 0:
