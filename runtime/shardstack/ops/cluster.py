@@ -6,6 +6,7 @@ plain HTTP to the load balancer), so it works the same on the lab and on a real 
 from __future__ import annotations
 
 import json
+import shlex
 import time
 import urllib.error
 import urllib.request
@@ -95,16 +96,13 @@ def export_current(inventory: Path, checkpoint_dir: str, name: str, *, shared_di
     head = group(inv, "train_nodes")[0]
     models = f"{shared_dir}/exports"
     out = f"{models}/{name}"
-    as_service = ["runuser", "-u", SERVICE_USER, "--"]
-    res = run_command([*as_service, f"{VENV}/bin/shardstack", "export", "--checkpoint", checkpoint_dir, "--out", out],
-                      inventory, head)[head]
+    script = " && ".join(shlex.join(c) for c in (
+        [f"{VENV}/bin/shardstack", "export", "--checkpoint", checkpoint_dir, "--out", out],
+        ["ln", "-sfn", "--no-target-directory", name, f"{models}/.current.tmp"],
+        ["mv", "-T", f"{models}/.current.tmp", f"{models}/current"]))
+    res = run_command(["runuser", "-u", SERVICE_USER, "--", "sh", "-c", script], inventory, head)[head]
     if not res.success:
         raise ShardstackError(f"export on {head} failed: {(res.stderr or res.stdout or res.message or '')[-800:]}")
-    link = run_command([*as_service, "ln", "-sfn", "--no-target-directory", name, f"{models}/.current.tmp"],
-                       inventory, head)[head]
-    move = run_command([*as_service, "mv", "-T", f"{models}/.current.tmp", f"{models}/current"], inventory, head)[head]
-    if not (link.success and move.success):
-        raise ShardstackError(f"could not point {models}/current at {name}: {link.stderr or move.stderr}")
     return ExportResult(head, out, f"{models}/current", (res.stdout + res.stderr).strip())
 
 

@@ -9,13 +9,16 @@ from __future__ import annotations
 import argparse
 import json
 from pathlib import Path
+from typing import Any
 
 from shardstack.errors import ShardstackError
 from shardstack.ops.runner import RunResult, run_playbook
 
 
-def rollout(inventory: Path, *, limit: str | None = None, on_event=None) -> RunResult:
-    return run_playbook("playbooks/rolling_upgrade.yml", inventory, limit=limit, on_event=on_event)
+def rollout(inventory: Path, *, limit: str | None = None, extravars: dict[str, Any] | None = None,
+            on_event=None) -> RunResult:
+    return run_playbook("playbooks/rolling_upgrade.yml", inventory, limit=limit, extravars=extravars,
+                        on_event=on_event)
 
 
 def register(sub: argparse._SubParsersAction) -> None:

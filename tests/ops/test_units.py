@@ -1,0 +1,110 @@
+"""The systemd units the roles write: valid for systemd, hardened as DESIGN.md §6 says, and their ExecStart
+lines accepted by the real command-line parsers (torchrun's and shardstack's), so a renamed flag fails here."""
+
+from __future__ import annotations
+
+import configparser
+import shlex
+import shutil
+import subprocess
+from pathlib import Path
+
+import pytest
+from shardstack.cli import build_parser
+
+from .conftest import render
+
+TRAIN_VARS = {"__training_runtime_nproc": 1, "__training_runtime_ifname": "eth0"}
+
+
+def unit_sections(text: str) -> configparser.ConfigParser:
+    cp = configparser.ConfigParser(strict=False, interpolation=None, delimiters=("=",))
+    cp.optionxform = str  # systemd keys are case-sensitive
+    cp.read_string(text.replace("\\\n", " "))
+    return cp
+
+
+def exec_argv(text: str) -> list[str]:
+    return shlex.split(unit_sections(text)["Service"]["ExecStart"])
+
+
+@pytest.fixture
+def inference_unit() -> str:
+    return render("inference_service", "shardstack-inference.service.j2")
+
+
+@pytest.fixture
+def train_unit() -> str:
+    return render("training_runtime", "shardstack-train@.service.j2", **TRAIN_VARS)
+
+
+def test_inference_unit_is_hardened_notify_and_non_root(inference_unit: str) -> None:
+    assert inference_unit.startswith("#")  # ansible_managed comment first
+    svc = unit_sections(inference_unit)["Service"]
+    assert svc["Type"] == "notify"
+    assert svc["User"] == "shardstack" and svc["Group"] == "shardstack"
+    assert int(svc["WatchdogSec"]) >= 5
+    for key, want in {"NoNewPrivileges": "true", "ProtectSystem": "strict", "PrivateTmp": "true",
+                      "ProtectHome": "true", "CapabilityBoundingSet": ""}.items():
+        assert svc[key] == want, key
+    # DESIGN.md §6: these two break the GPU and PyTorch.
+    assert "PrivateDevices" not in svc and "MemoryDenyWriteExecute" not in svc
+    # SIGTERM drains for drain_seconds; systemd must wait longer than that before SIGKILL.
+    assert int(svc["TimeoutStopSec"]) > 20
+
+
+def test_inference_execstart_is_a_valid_shardstack_serve_command(inference_unit: str) -> None:
+    argv = exec_argv(inference_unit)
+    assert argv[0] == "/opt/shardstack/venv/bin/shardstack"
+    args = build_parser(argv[1:]).parse_args(argv[1:])
+    assert args.command == "serve"
+    assert str(args.model) == "/srv/shardstack/exports/current"
+    assert args.port == 8000 and args.host == "0.0.0.0"
+    assert str(args.token_file) == "/etc/shardstack/inference.token"
+    assert args.stall_seconds == 30 and args.drain_seconds == 20
+
+
+def test_train_execstart_is_torchrun_with_c10d_and_max_restarts(train_unit: str) -> None:
+    from torch.distributed.run import get_args_parser
+
+    svc = unit_sections(train_unit)["Service"]
+    assert svc["User"] == "shardstack" and svc["KillMode"] == "mixed"
+    argv = exec_argv(train_unit)
+    assert argv[0] == "/opt/shardstack/venv/bin/torchrun"
+    env = {"SHARDSTACK_NNODES": "2", "SHARDSTACK_NPROC_PER_NODE": "1", "SHARDSTACK_RDZV_ENDPOINT": "10.0.0.1:29400",
+           "SHARDSTACK_RDZV_ID": "job", "SHARDSTACK_RDZV_IS_HOST": "true", "SHARDSTACK_MAX_RESTARTS": "3"}
+    expanded = [a.replace("%i", "job") for a in argv[1:]]
+    for key, value in env.items():
+        expanded = [a.replace("${" + key + "}", value) for a in expanded]
+    t = get_args_parser().parse_args(expanded)
+    assert (t.nnodes, t.nproc_per_node, t.rdzv_backend, t.rdzv_endpoint) == ("2", "1", "c10d", "10.0.0.1:29400")
+    assert t.max_restarts == 3 and t.rdzv_conf == "is_host=true"
+    assert t.module and t.training_script == "shardstack"
+    # What torchrun runs on each rank must parse as `shardstack train run`.
+    rest = build_parser(t.training_script_args).parse_args(t.training_script_args)
+    assert (rest.command, rest.train_command, rest.config) == ("train", "run", "/etc/shardstack/jobs/job.yaml")
+
+
+def test_job_env_points_every_node_at_the_head() -> None:
+    hostvars = {"n1": {"ansible_host": "10.0.0.1"}, "n2": {"ansible_host": "10.0.0.2"}}
+    common = {"ansible_play_hosts_all": ["n1", "n2"], "hostvars": hostvars, "training_runtime_job_name": "job",
+              **TRAIN_VARS}
+    head = dict(line.split("=", 1) for line in render("training_runtime", "job.env.j2", inventory_hostname="n1",
+                                                      **common).splitlines() if "=" in line and line[0] != "#")
+    other = dict(line.split("=", 1) for line in render("training_runtime", "job.env.j2", inventory_hostname="n2",
+                                                       **common).splitlines() if "=" in line and line[0] != "#")
+    assert head["SHARDSTACK_RDZV_ENDPOINT"] == other["SHARDSTACK_RDZV_ENDPOINT"] == "10.0.0.1:29400"
+    assert (head["SHARDSTACK_RDZV_IS_HOST"], other["SHARDSTACK_RDZV_IS_HOST"]) == ("true", "false")
+    assert head["SHARDSTACK_NNODES"] == "2"
+
+
+@pytest.mark.skipif(not shutil.which("systemd-analyze"), reason="systemd-analyze not installed")
+@pytest.mark.parametrize("name", ["inference", "train"])
+def test_units_pass_systemd_analyze_verify(name: str, tmp_path: Path, inference_unit: str, train_unit: str) -> None:
+    text = inference_unit if name == "inference" else train_unit
+    path = tmp_path / ("shardstack-inference.service" if name == "inference" else "shardstack-train@job.service")
+    path.write_text(text)
+    proc = subprocess.run(["systemd-analyze", "verify", "--man=no", str(path)], capture_output=True, text=True)
+    # The venv's executables exist only on a node; anything else systemd complains about is a bug.
+    problems = [line for line in proc.stderr.splitlines() if line.strip() and "is not executable" not in line]
+    assert not problems, proc.stderr
