@@ -7,6 +7,7 @@ ok/changed/failed counts and, for each failed host, the task and message that fa
 from __future__ import annotations
 
 import os
+import sys
 import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
@@ -78,6 +79,12 @@ class RunResult:
 Event = dict[str, Any]
 
 
+def _tool_env() -> dict[str, str]:
+    """ansible-playbook/ansible from this interpreter's environment, even when its bin/ is not on PATH."""
+    here = str(Path(sys.executable).parent)
+    return {"PATH": os.pathsep.join([here, os.environ.get("PATH", os.defpath)])}
+
+
 def run_playbook(
     playbook: str,
     inventory: Path,
@@ -133,8 +140,8 @@ def run_playbook(
         limit=limit,
         cmdline=cmdline or None,
         extravars=extravars or {},
-        envvars={"ANSIBLE_CONFIG": str(root / "ansible.cfg"), "ANSIBLE_ROLES_PATH": str(root / "roles"),
-                 "ANSIBLE_FORCE_COLOR": "0"},
+        envvars={**_tool_env(), "ANSIBLE_CONFIG": str(root / "ansible.cfg"),
+                 "ANSIBLE_ROLES_PATH": str(root / "roles"), "ANSIBLE_FORCE_COLOR": "0"},
         event_handler=handle,
         quiet=True,
         rotate_artifacts=20,
@@ -205,7 +212,7 @@ def run_command(
         private_data_dir=str(artifacts), host_pattern=pattern, inventory=str(inventory),
         module="ansible.builtin.command", module_args=shlex.join(argv),
         cmdline="--become" if become else None, timeout=timeout,
-        envvars={"ANSIBLE_CONFIG": str(root / "ansible.cfg"), "ANSIBLE_FORCE_COLOR": "0"},
+        envvars={**_tool_env(), "ANSIBLE_CONFIG": str(root / "ansible.cfg"), "ANSIBLE_FORCE_COLOR": "0"},
         event_handler=handle, quiet=True, rotate_artifacts=20,
     )
     return dict(sorted(results.items()))

@@ -1,0 +1,82 @@
+"""The ansible-runner wrapper on local hosts: typed per-host results, the failed task and its message, what
+set_stats published, ad-hoc commands, and the CLI's exit codes."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from shardstack.ops.runner import run_command, run_playbook
+
+
+@pytest.fixture
+def local_inventory(tmp_path: Path) -> Path:
+    inv = tmp_path / "hosts.yml"
+    inv.write_text(json.dumps({"all": {
+        "hosts": {"h1": {}, "h2": {}},
+        "vars": {"ansible_connection": "local", "ansible_python_interpreter": sys.executable},
+        "children": {"train_nodes": {"hosts": {"h1": {}, "h2": {}}}},
+    }}))
+    return inv
+
+
+def test_run_playbook_reports_per_host_results(local_inventory: Path, tmp_path: Path) -> None:
+    events: list[str] = []
+    res = run_playbook("tests/ops/playbooks/runner_sample.yml", local_inventory, artifacts=tmp_path / "art",
+                       on_event=lambda e: events.append(e.get("event", "")))
+    assert not res.success and res.rc != 0
+    h1, h2 = res.hosts["h1"], res.hosts["h2"]
+    assert (h1.ok, h1.changed, h1.failed) == (3, 1, 0)  # ok excludes the changed one
+    assert (h2.ok, h2.changed, h2.failed) == (2, 1, 1)
+    assert h2.failed_task == "Fail on the second host" and h2.message == "broken on h2"
+    assert h1.success and not h2.success
+    assert res.data == {"sample": {"h1": 42, "h2": 42}}
+    assert "playbook_on_task_start" in events
+    assert Path(res.artifact_dir).is_dir()
+    assert res.to_dict()["failed"] == 1
+
+
+def test_check_mode_changes_nothing(local_inventory: Path, tmp_path: Path) -> None:
+    res = run_playbook("tests/ops/playbooks/runner_sample.yml", local_inventory, limit="h1", check=True,
+                       artifacts=tmp_path / "art")
+    assert res.success and set(res.hosts) == {"h1"}
+
+
+def test_run_command_per_host(local_inventory: Path, tmp_path: Path) -> None:
+    res = run_command(["sh", "-c", "echo out; echo err >&2; exit 3"], local_inventory, "train_nodes", become=False,
+                      artifacts=tmp_path / "adhoc")
+    assert set(res) == {"h1", "h2"}
+    for r in res.values():
+        assert (r.rc, r.stdout, r.stderr, r.success) == (3, "out", "err", False)
+    ok = run_command(["true"], local_inventory, "h1", become=False, artifacts=tmp_path / "adhoc")
+    assert ok["h1"].success
+
+
+def shardstack(*args: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([sys.executable, "-m", "shardstack", *args], capture_output=True, text=True, timeout=120)
+
+
+def test_cli_exit_codes(local_inventory: Path, tmp_path: Path) -> None:
+    missing = shardstack("deploy", "-i", str(tmp_path / "nope.yml"))
+    assert missing.returncode == 2 and "does not exist" in missing.stderr and "Traceback" not in missing.stderr
+    bad_job = tmp_path / "job.yaml"
+    bad_job.write_text("engine: {stage: 7}\n")
+    rejected = shardstack("train", "submit", "--config", str(bad_job), "-i", str(local_inventory))
+    assert rejected.returncode == 2 and "stage" in rejected.stderr and "Traceback" not in rejected.stderr
+    bad_name = shardstack("train", "status", "Bad Name", "-i", str(local_inventory))
+    assert bad_name.returncode == 2 and "not valid" in bad_name.stderr
+    no_model = shardstack("serve")
+    assert no_model.returncode == 2 and "--model" in no_model.stderr
+
+
+def test_cli_registers_ops_actions_beside_the_runtime_ones() -> None:
+    train = shardstack("train", "--help").stdout
+    for action in ("run", "submit", "status", "stop", "logs"):
+        assert action in train
+    assert "rollout" in shardstack("serve", "--help").stdout
+    top = shardstack("--help").stdout
+    for cmd in ("deploy", "check", "validate", "wheelhouse", "demo"):
+        assert cmd in top
