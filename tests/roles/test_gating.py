@@ -182,3 +182,28 @@ def test_shared_storage_nfs_gate(
     )
     assert r["__shared_storage_nfs_kernel"] is kernel
     assert ("skipped: container" in r["__shared_storage_reason"]) is (not kernel)
+
+
+FAMILIES = {
+    "Debian": {},
+    "Ubuntu": {"distribution": "Ubuntu", "distribution_version": "24.04", "distribution_major_version": "24"},
+    "RedHat": {"distribution": "Rocky", "os_family": "RedHat", "distribution_major_version": "9"},
+}
+PACKAGE_VARS = {
+    "os_baseline": "__os_baseline_packages_all",
+    "nvidia_driver": "__nvidia_driver_userspace_effective",
+    "cuda_toolkit": "__cuda_toolkit_packages[cuda_toolkit_source]",
+    "nccl": "__nccl_packages_effective",
+    "rdma": "__rdma_packages_effective",
+    "shared_storage": "__shared_storage_nfs_client_packages",
+}
+
+
+@pytest.mark.parametrize("family", sorted(FAMILIES))
+@pytest.mark.parametrize("role", sorted(PACKAGE_VARS))
+def test_every_os_family_resolves(role_eval: Any, debian_container: dict, role: str, family: str) -> None:
+    facts = {**debian_container, **FAMILIES[family]}
+    source = {"nvidia_driver_source": "cuda_repo", "cuda_toolkit_source": "cuda_repo"}
+    overrides = {k: v for k, v in source.items() if k.startswith(role)}
+    packages = role_eval(role, facts, **overrides)[PACKAGE_VARS[role]]
+    assert isinstance(packages, list) and packages and all(isinstance(p, str) and p for p in packages)
