@@ -1,0 +1,77 @@
+"""The parts of the ops commands that interpret what nodes said: job state, step lines, validate findings."""
+
+from __future__ import annotations
+
+import pytest
+from shardstack.errors import ShardstackError
+from shardstack.ops.cli import demo_job, validate_findings
+from shardstack.ops.train import JobStatus, NodeJobState, check_job_name, parse_step_lines
+
+
+def node(active: str, result: str = "success", step: int | None = None) -> NodeJobState:
+    return NodeJobState("n", active, "", result, 0, "", {"step": step, "loss": 1.0} if step else None)
+
+
+@pytest.mark.parametrize(("states", "want"), [
+    ([node("active"), node("active")], "running"),
+    ([node("inactive"), node("active")], "running"),
+    ([node("inactive"), node("inactive")], "finished"),
+    ([node("inactive", "exit-code"), node("inactive")], "stopped"),
+    ([node("failed", "exit-code"), node("active")], "failed"),
+    ([], "unknown"),
+])
+def test_job_state_from_the_nodes(states: list[NodeJobState], want: str) -> None:
+    assert JobStatus("j", states).state == want
+
+
+def test_newest_step_across_nodes() -> None:
+    st = JobStatus("j", [node("active", step=40), node("active"), node("active", step=45)])
+    assert st.last_step == {"step": 45, "loss": 1.0}
+
+
+def test_step_lines_in_a_journal() -> None:
+    journal = "\n".join([
+        'host shardstack-train-j[1]: {"step": 10, "loss": 3.5, "tokens_per_second": 100.0}',
+        "host shardstack-train-j[1]: INFO shardstack.trainer: step 10/20 loss 3.5",
+        'host shardstack-train-j[1]: {"step": 20, "loss": 3.1, "tokens_per_second": 110.0}',
+        'host shardstack-train-j[1]: {"not": "a step"}',
+        "host shardstack-train-j[1]: {broken json",
+    ])
+    assert parse_step_lines(journal) == {"step": 20, "loss": 3.1, "tokens_per_second": 110.0}
+    assert parse_step_lines("nothing here") is None
+
+
+@pytest.mark.parametrize("name", ["ok", "run-1", "a_b", "x" * 63])
+def test_good_job_names(name: str) -> None:
+    assert check_job_name(name) == name
+
+
+@pytest.mark.parametrize("name", ["", "Bad", "-lead", "a b", "x" * 64, "../etc"])
+def test_bad_job_names(name: str) -> None:
+    with pytest.raises(ShardstackError):
+        check_job_name(name)
+
+
+GOOD = {
+    "validate_allreduce": {"correct": True},
+    "validate_storage": {"n1": {"peer_checksum_matches": True, "read_of": "n2"}},
+    "validate_inference": {"status": 200},
+}
+
+
+def test_validate_passes_only_with_every_check() -> None:
+    assert validate_findings(GOOD) == []
+    assert validate_findings({}) == ["all-reduce: no result", "storage: no result", "inference: no result"]
+    assert validate_findings({**GOOD, "validate_allreduce": {"correct": False}}) == ["all-reduce: wrong sum"]
+    bad_storage = {"n1": {"peer_checksum_matches": False, "read_of": "n2"}}
+    assert validate_findings({**GOOD, "validate_storage": bad_storage}) == [
+        "storage: n1 read different bytes than n2 wrote"]
+    assert validate_findings({**GOOD, "validate_inference": {"status": 503}}) == [
+        "inference: load balancer answered 503"]
+
+
+def test_demo_job_is_a_valid_stage3_config() -> None:
+    job = demo_job(300, "/srv/shardstack")
+    assert job["engine"]["stage"] == 3 and job["schedule"]["total_steps"] == 300
+    assert job["checkpoint"]["dir"] == "/srv/shardstack/checkpoints/demo"
+    assert job["data"]["path"].startswith("/srv/shardstack/")
