@@ -85,8 +85,10 @@ class CausalSelfAttention(nn.Module):
 class _LayerCache:
     """One layer's view of a KVCache for one forward call: where each row writes and what it may attend to."""
 
-    def __init__(self, cache: KVCache, layer: int, slots: torch.Tensor, positions: torch.Tensor, t: int) -> None:
+    def __init__(self, cache: KVCache, layer: int, slots: torch.Tensor, positions: torch.Tensor, t: int,
+                 dense: bool = False) -> None:
         self.k, self.v = cache.k[layer], cache.v[layer]
+        self.dense = dense  # rows are slots 0..B-1 in order: attend through a view, no gather
         offsets = torch.arange(t, device=positions.device)
         self.rows = slots[:, None].expand(-1, t)
         self.cols = positions[:, None] + offsets  # [B, T] absolute position of each new token
@@ -98,6 +100,9 @@ class _LayerCache:
         # Advanced indexing around a slice puts the indexed dims first: [B, T, H, D].
         self.k[self.rows, :, self.cols] = k.transpose(1, 2)
         self.v[self.rows, :, self.cols] = v.transpose(1, 2)
+        if self.dense:
+            b = self.rows.size(0)
+            return self.k[:b, :, : self.length], self.v[:b, :, : self.length], self.mask
         slots = self.rows[:, 0]
         # index_select on the sliced view copies only the live prefix (several times faster than fancy indexing).
         k = self.k[:, :, : self.length].index_select(0, slots)
@@ -176,7 +181,8 @@ class GPT(nn.Module):
             pos = positions[:, None] + torch.arange(t, device=idx.device)
             if int(pos.max()) >= min(self.config.seq_len, cache.max_len):
                 raise ValueError("sequence longer than the model's context")
-            layer_caches = [_LayerCache(cache, i, slots, positions, t) for i in range(len(self.blocks))]
+            dense = bool((slots == torch.arange(slots.numel(), device=slots.device)).all())
+            layer_caches = [_LayerCache(cache, i, slots, positions, t, dense) for i in range(len(self.blocks))]
         x = self.drop(self.tok_emb(idx) + self.pos_emb(pos))
         for block, layer_cache in zip(self.blocks, layer_caches, strict=True):
             x = block(x, layer_cache)

@@ -11,6 +11,7 @@ from pathlib import Path
 import pytest
 import torch
 from shardstack.export import load_model
+from shardstack.model import KVCache
 from shardstack.serve.engine import Engine, Event, QueueFull, Sequence
 from shardstack.serve.sampling import SamplingParams
 
@@ -124,3 +125,18 @@ def test_half_precision_engine_generates(model_dir: Path) -> None:
         assert (len(data), finish) == (8, "length")
     finally:
         eng.stop()
+
+
+@torch.no_grad()
+def test_packed_slots_attend_through_a_view_with_the_same_result(model) -> None:
+    # Slots 0..B-1 in order take the model's no-gather path; a permuted batch takes the gather path.
+    idx = torch.randint(0, 256, (3, 12), generator=torch.Generator().manual_seed(0))
+    full = model(idx)
+    for slots in ([0, 1, 2], [2, 0, 1]):
+        cache = KVCache(model.config, 3, 32, dtype=torch.float32, device="cpu")
+        s = torch.tensor(slots)
+        logits = model(idx[:, :8], cache=cache, slots=s, positions=torch.zeros(3, dtype=torch.long))
+        torch.testing.assert_close(logits, full[:, :8])
+        for t in range(8, 12):
+            step = model(idx[:, t : t + 1], cache=cache, slots=s, positions=torch.full((3,), t))
+            torch.testing.assert_close(step[:, 0], full[:, t])

@@ -13,6 +13,7 @@ every iteration, including idle ones, so a stale heartbeat means the loop is stu
 
 from __future__ import annotations
 
+import heapq
 import itertools
 import logging
 import threading
@@ -103,7 +104,9 @@ class Engine:
         self.cache = KVCache(model.config, max_batch, self.context, dtype=dtype, device=self.device)
         self.metrics = metrics or EngineMetrics()
         self.failpoint = failpoint
-        self._free = list(range(max_batch - 1, -1, -1))
+        # Lowest free slot first, and batches ordered by slot: a full (or packed) batch is slots 0..B-1, which
+        # the model attends through a view of the cache instead of gathering it every step.
+        self._free = list(range(max_batch))  # a heap
         self._waiting: deque[Sequence] = deque()
         self._running: list[Sequence] = []
         self._cond = threading.Condition()
@@ -214,7 +217,7 @@ class Engine:
             if admitted and (len(admitted) + 1) * longest_if > self.max_prefill_tokens:
                 break
             self._waiting.popleft()
-            seq.slot = self._free.pop()
+            seq.slot = heapq.heappop(self._free)
             admitted.append(seq)
             self._running.append(seq)
             longest = longest_if
@@ -236,7 +239,7 @@ class Engine:
                 if self._stop:
                     return
                 admitted = self._admit()
-                batch = [s for s in self._running if not s.cancelled]
+                batch = sorted((s for s in self._running if not s.cancelled), key=lambda s: s.slot)
                 self._report_depth()
             if self.failpoint == FAILPOINT_HANG and any(not s.internal for s in batch):
                 log.warning("failpoint %s: engine loop blocks now", FAILPOINT_HANG)
@@ -267,7 +270,7 @@ class Engine:
         keep = []
         for seq in self._running:
             if seq.finished or seq.cancelled:
-                self._free.append(seq.slot)
+                heapq.heappush(self._free, seq.slot)
                 if seq.finished and not seq.internal:
                     self._avg_seconds = 0.8 * self._avg_seconds + 0.2 * (time.monotonic() - seq.arrived)
             else:
