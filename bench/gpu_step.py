@@ -22,6 +22,11 @@ import torch
 PEAK_TFLOPS = 989.0
 
 
+def sync() -> None:
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+
+
 def _variants(args):
     yield "plain", None
     for s in args.stages:
@@ -38,22 +43,24 @@ def run_variant(name: str, stage: int | None, args, info, mcfg) -> dict:
         model = GPT(mcfg)
     flops_per_token = model.flops_per_token()
     if args.compile:
-        for block in model.blocks:
-            block.compile()  # per block, before wrapping: the FSDP2 unit boundaries stay eager
+        # Each block becomes an OptimizedModule before wrapping, so FSDP2's hooks sit outside the compiled graph.
+        for i, block in enumerate(model.blocks):
+            model.blocks[i] = torch.compile(block)
     optim_cfg = OptimizerConfig(lr=1e-4, grad_clip=1.0)
     if stage is None:
         opt = torch.optim.AdamW(model.parameters(), lr=1e-4, betas=(0.9, 0.95), weight_decay=0.1, foreach=True)
 
         def step(batches):
             for x, y in batches:
-                with torch.autocast("cuda", dtype=torch.bfloat16):
+                with torch.autocast(info.device.type, dtype=torch.bfloat16):
                     loss = model(x, y)
                 (loss / len(batches)).backward()
             torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
             opt.step()
             opt.zero_grad(set_to_none=True)
     else:
-        engine = build_engine(model, EngineConfig(stage=stage, precision="bf16", device="cuda"), optim_cfg, info)
+        engine = build_engine(model, EngineConfig(stage=stage, precision="bf16", device=info.device.type), optim_cfg,
+                              info)
 
         def step(batches):
             engine.forward_backward(batches)
@@ -66,18 +73,20 @@ def run_variant(name: str, stage: int | None, args, info, mcfg) -> dict:
     ]
     for _ in range(args.warmup):
         step(batches)
-    torch.cuda.synchronize()
-    torch.cuda.reset_peak_memory_stats()
+    sync()
+    if info.device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats()
     t0 = time.perf_counter()
     for _ in range(args.steps):
         step(batches)
-    torch.cuda.synchronize()
+    sync()
     dt = (time.perf_counter() - t0) / args.steps
     tokens = args.micro_batch * args.accumulation * mcfg.seq_len
     tps = tokens / dt
     return {"variant": name, "stage": stage, "tokens_per_second": round(tps, 1), "step_seconds": round(dt, 4),
             "mfu": round(flops_per_token * tps / (PEAK_TFLOPS * 1e12), 4),
-            "peak_memory_gib": round(torch.cuda.max_memory_allocated() / 2**30, 2),
+            "peak_memory_gib": round(torch.cuda.max_memory_allocated() / 2**30, 2) if info.device.type == "cuda"
+            else None,
             "params": sum(p.numel() for p in model.parameters()), "compiled": args.compile}
 
 
@@ -90,8 +99,12 @@ def main() -> int:
     ap.add_argument("--stages", type=int, nargs="*", default=[0, 1, 2, 3])
     ap.add_argument("--no-compile", dest="compile", action="store_false", help="eager blocks (default: compiled)")
     ap.add_argument("--out", default=None, help="also append the JSON lines here")
+    # Checks the script's code paths on CPU with a tiny model (no figures worth recording).
+    ap.add_argument("--smoke-cpu", action="store_true", help=argparse.SUPPRESS)
     args = ap.parse_args()
-    if not torch.cuda.is_available():
+    if args.smoke_cpu:
+        args.warmup, args.steps, args.micro_batch = 1, 1, 2  # add --no-compile to skip inductor
+    elif not torch.cuda.is_available():
         print("bench/gpu_step.py needs a CUDA GPU and this machine has none (torch.cuda.is_available() is False, "
               f"torch {torch.__version__}); nothing was measured.", file=sys.stderr)
         return 2
@@ -99,10 +112,11 @@ def main() -> int:
     from shardstack.dist import init_distributed, shutdown
     from shardstack.model import GPTConfig
 
-    info = init_distributed("cuda")
-    torch.backends.cuda.matmul.allow_tf32 = True
-    mcfg = GPTConfig(n_layer=24, n_head=16, d_model=2048, seq_len=2048)
-    header = {"bench": "gpu_step", "gpu": torch.cuda.get_device_name(0), "torch": torch.__version__,
+    info = init_distributed("cpu" if args.smoke_cpu else "cuda")
+    mcfg = GPTConfig(n_layer=2, n_head=2, d_model=64, seq_len=32) if args.smoke_cpu else \
+        GPTConfig(n_layer=24, n_head=16, d_model=2048, seq_len=2048)
+    header = {"bench": "gpu_step", "torch": torch.__version__,
+              "gpu": torch.cuda.get_device_name(0) if torch.cuda.is_available() else "none",
               "model": mcfg.to_dict(), "micro_batch": args.micro_batch, "accumulation": args.accumulation,
               "peak_tflops": PEAK_TFLOPS, "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())}
     rows = [header]
@@ -115,7 +129,8 @@ def main() -> int:
         rows.append(row)
         print(json.dumps(row), flush=True)
         gc.collect()
-        torch.cuda.empty_cache()
+        if info.device.type == "cuda":
+            torch.cuda.empty_cache()
         with contextlib.suppress(Exception):
             torch._dynamo.reset()
     plain = next((r for r in rows if r.get("variant") == "plain" and "tokens_per_second" in r), None)
