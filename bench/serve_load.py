@@ -157,7 +157,7 @@ def spawned_service(model: Path, max_concurrency: int, extra: list[str]):
             time.sleep(0.2)
         else:
             raise SystemExit("service did not become healthy in 120s")
-        yield url
+        yield url, proc.pid
     finally:
         proc.send_signal(signal.SIGTERM)
         try:
@@ -166,10 +166,17 @@ def spawned_service(model: Path, max_concurrency: int, extra: list[str]):
             proc.kill()
 
 
+def _cpu_seconds(pid: int) -> float:
+    """User + system CPU time of a process (Linux /proc)."""
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
 def _print(label: str, s: dict) -> None:
     print(f"{label:>13}: {s['rps']:7.1f} req/s  latency p50 {s['latency_p50_ms']:6.1f} ms  "
           f"p99 {s['latency_p99_ms']:6.1f} ms  TTFT p50 {s['ttft_p50_ms']:6.1f} ms  p99 {s['ttft_p99_ms']:6.1f} ms  "
-          f"{s['tokens_per_second']:8.1f} tok/s  ok {s['requests_ok']}  errors {s['errors'] or 0}")
+          f"{s['tokens_per_second']:8.1f} tok/s  ok {s['requests_ok']}  errors {s['errors'] or 0}"
+          + (f"  server CPU {s['server_cpu_ms_per_token']:.2f} ms/token" if "server_cpu_ms_per_token" in s else ""))
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -216,19 +223,25 @@ def main(argv: list[str] | None = None) -> int:
             modes = {"batching_on": args.concurrency, **({"batching_off": 1} if args.compare else {})}
             # Both services run side by side (an idle one costs next to nothing) and the measurement windows
             # alternate, so a neighbour's load on a shared machine hits both modes alike.
-            urls = {label: stack.enter_context(spawned_service(model, slots, args.serve_arg))
-                    for label, slots in modes.items()}
+            services = {label: stack.enter_context(spawned_service(model, slots, args.serve_arg))
+                        for label, slots in modes.items()}
             pooled = {label: Result() for label in modes}
+            cpu = dict.fromkeys(modes, 0.0)
             rounds = []
             for _ in range(args.rounds):
                 this_round = {}
-                for label, url in urls.items():
+                for label, (url, pid) in services.items():
+                    cpu_before = _cpu_seconds(pid)
                     r = asyncio.run(run_load(url, **load))
+                    cpu[label] += _cpu_seconds(pid) - cpu_before  # includes the unmeasured warm-up window
                     this_round[label] = r.summary()["rps"]
                     pooled[label].merge(r)
                 rounds.append(this_round)
             for label in modes:
                 out[label] = pooled[label].summary()
+                # Work per request, independent of how much CPU the neighbours left us.
+                out[label]["server_cpu_ms_per_token"] = (  # type: ignore[index]
+                    1e3 * cpu[label] * args.duration / (args.duration + args.warmup) / max(1, pooled[label].tokens))
                 if not args.json:
                     _print(label, out[label])  # type: ignore[arg-type]
             if args.compare:
