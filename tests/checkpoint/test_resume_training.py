@@ -181,7 +181,7 @@ def _worker_pid(agent_pid: int, rank: int) -> int | None:
 
 
 def test_kill_9_of_a_worker_under_torchrun_restarts_from_the_newest_checkpoint(data_dir: Path, tmp_path: Path) -> None:
-    total = 40
+    total = 80  # long enough that the kill at step ≥ 8 lands while training still runs, even on a fast machine
     config = job(tmp_path, data_dir, tmp_path / "ckpt", world=2, stage=3, total_steps=total)
     port = _free_port()
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nnodes", "1", "--nproc-per-node", "2",
