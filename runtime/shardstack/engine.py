@@ -16,8 +16,9 @@ are always the mean over the global batch. Accumulation sync (`engine.accumulati
            Least communication; FSDP2 then holds unsharded gradients until the final micro-batch.
   "every"  every micro-batch reduces (all-reduce / reduce-scatter) and the sharded gradients accumulate.
            More communication, and FSDP2 never holds more than one block's unsharded gradient.
-Clipping uses the L2 norm over all gradients of all ranks: for DTensor gradients the per-shard norms are summed
-through DTensor's own reduction (`full_tensor()`), so every rank scales by the same global coefficient.
+Clipping uses the L2 norm over all gradients of all ranks: for DTensor gradients the per-shard norms are combined
+by DTensor's own reduction, so every rank scales by the same global coefficient (a local-only norm fails the
+parity test).
 """
 
 from __future__ import annotations
@@ -152,7 +153,9 @@ class Engine:
         params = [p for p in self.module.parameters() if p.grad is not None]
         total = torch.nn.utils.get_total_norm([p.grad for p in params], norm_type=2.0)
         if isinstance(total, DTensor):
-            total = total.full_tensor()  # sums the squared shard norms across ranks
+            # DTensor's norm reduces the squared shard norms across ranks (torch 2.13 already returns it
+            # Replicate; full_tensor() makes the reduction explicit should a version leave it Partial).
+            total = total.full_tensor()
         torch.nn.utils.clip_grads_with_norm_(params, max_norm, total)
         return float(total)
 
