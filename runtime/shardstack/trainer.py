@@ -220,6 +220,7 @@ def train(cfg: JobConfig, max_steps: int | None = None, *, out=None) -> TrainRes
             if info.is_main and (step % cfg.metrics.log_every == 0 or step == end):
                 rec = {"step": step, "loss": round(loss, 6), "lr": scheduler.get_last_lr()[0],
                        "tokens_per_second": round(tps, 1), "step_seconds": round(dt, 4), "mfu": round(mfu, 5),
+                       "peak_tflops_per_device": round(peak, 3),
                        "grad_norm": None if stats.grad_norm is None else round(stats.grad_norm, 5),
                        "skipped": stats.skipped, "memory_bytes": _resident_bytes(info.device)}
                 line = json.dumps(rec)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import math
 import os
 import socket
 import subprocess
@@ -71,6 +72,24 @@ def test_train_alone_learns_and_logs(world1, data_dir):
     assert 0 < lines[-1]["mfu"] < 1 and lines[-1]["tokens_per_second"] > 0
     m, e = res.memory_measured, res.memory_estimated
     assert abs(m["total"] - e["total"]) <= 0.05 * e["total"]
+
+
+@pytest.mark.parametrize("engine", [
+    {"stage": 3, "offload": "cpu", "precision": "bf16", "prefetch": 2},
+    {"stage": 2, "precision": "fp16", "accumulation_sync": "every"},
+    {"stage": 1, "precision": "bf16"},
+])
+def test_train_engine_options(world1, data_dir, engine):
+    cfg = config_from_dict({
+        "model": TINY, "data": {"path": str(data_dir)}, "engine": engine,
+        "batch": {"global_batch": 4, "micro_batch": 2}, "schedule": {"warmup_steps": 0, "total_steps": 10},
+        "optimizer": {"lr": 3e-3},
+        "metrics": {"port": 0, "peak_tflops": 1.0},
+    })
+    res = train(cfg, max_steps=4, out=StringIO())
+    assert len(res.losses) == 4 and all(math.isfinite(x) for x in res.losses) and res.losses[-1] < res.losses[0]
+    assert res.memory_measured["on_cpu"] == res.memory_measured["total"]  # CPU run: everything is host memory
+    assert abs(res.memory_measured["total"] - res.memory_estimated["total"]) <= 0.05 * res.memory_estimated["total"]
 
 
 def test_user_model_factory(monkeypatch):
