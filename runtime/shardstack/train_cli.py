@@ -21,8 +21,11 @@ def register(sub: argparse._SubParsersAction) -> None:
     prep.add_argument("--out", required=True, help="output directory (meta.json + tokens-*.bin)")
     prep.set_defaults(func=_cmd_prepare)
 
-    train = sub.add_parser("train", help="run a training job")
-    train_sub = train.add_subparsers(dest="train_command", metavar="ACTION", required=True)
+    # `train` is shared with shardstack.ops.train (submit/status/stop/logs): join whichever parser came first.
+    train = sub.choices.get("train") or sub.add_parser("train", help="run a training job")
+    existing = [a for a in train._actions if isinstance(a, argparse._SubParsersAction)]
+    train_sub = existing[0] if existing else train.add_subparsers(dest="train_command", metavar="ACTION",
+                                                                  required=True)
     run = train_sub.add_parser("run", help="train from a job.yaml (alone, or one process per rank under torchrun)")
     run.add_argument("--config", required=True, help="job.yaml")
     run.add_argument("--max-steps", type=int, default=None, help="stop after this many steps (short runs)")
