@@ -55,6 +55,8 @@ def add_run_args(p: argparse.ArgumentParser, *, tags: bool = True) -> None:
         p.add_argument("--skip-tags", help="skip these tags")
         p.add_argument("--check", action="store_true", help="dry run: report what would change")
     p.add_argument("--limit", help="only these hosts or groups")
+    p.add_argument("-e", "--extra-vars", action="append", default=[], metavar="KEY=VALUE",
+                   help="extra variable (repeatable), e.g. -e training_runtime_wheelhouse_src=/path")
     p.add_argument("--json", action="store_true", help="print the result as JSON on stdout")
 
 
@@ -90,8 +92,19 @@ def summary_table(result: RunResult, title: str) -> Table:
     return table
 
 
+def parse_extra_vars(pairs: list[str]) -> dict[str, str]:
+    out = {}
+    for pair in pairs:
+        key, sep, value = pair.partition("=")
+        if not sep or not key.isidentifier():
+            raise ShardstackError(f"extra variable {pair!r} is not KEY=VALUE")
+        out[key] = value
+    return out
+
+
 def run_and_report(playbook: str, args: argparse.Namespace, title: str, *,
                    extravars: dict[str, Any] | None = None) -> RunResult:
+    extravars = {**parse_extra_vars(getattr(args, "extra_vars", None) or []), **(extravars or {})}
     result = run_playbook(playbook, args.inventory, tags=getattr(args, "tags", None),
                           skip_tags=getattr(args, "skip_tags", None), limit=args.limit,
                           check=getattr(args, "check", False), extravars=extravars,
@@ -189,16 +202,16 @@ def _dd_rate(line: str) -> str:
 
 
 def run_validate(inventory: Path, *, allreduce_mb: float = 16.0, limit: str | None = None,
-                 quiet: bool = False) -> tuple[RunResult, list[str]]:
+                 extravars: dict[str, Any] | None = None, quiet: bool = False) -> tuple[RunResult, list[str]]:
     result = run_playbook("playbooks/validate.yml", inventory, limit=limit,
-                          extravars={"validate_allreduce_mb": allreduce_mb},
+                          extravars={**(extravars or {}), "validate_allreduce_mb": allreduce_mb},
                           on_event=None if quiet else LiveProgress())
     return result, validate_findings(result.data)
 
 
 def _validate(args: argparse.Namespace) -> int:
     result, findings = run_validate(args.inventory, allreduce_mb=args.allreduce_mb, limit=args.limit,
-                                    quiet=args.json)
+                                    extravars=parse_extra_vars(args.extra_vars), quiet=args.json)
     if args.json:
         print(json.dumps({**result.to_dict(), "findings": findings}, indent=2))
     else:
@@ -231,6 +244,8 @@ def _demo(args: argparse.Namespace) -> int:
     from shardstack.lab import lab
     from shardstack.lab.progress import Progress
     from shardstack.ops import cluster, serve, train
+    from shardstack.ops.runner import project_dir
+    from shardstack.ops.wheelhouse import build
 
     phases: list[tuple[str, float]] = []
     inventory = Path("inventory/lab/hosts.yml")
@@ -248,7 +263,13 @@ def _demo(args: argparse.Namespace) -> int:
     ns = argparse.Namespace(inventory=inventory, tags=None, skip_tags=None, limit=None, check=False, json=False)
     completion = None
     try:
-        first = run_and_report("site.yml", ns, "site.yml, first run")
+        # One wheelhouse for every run of the demo, so the second deploy compares like with like.
+        t = time.monotonic()
+        wh = build(project_dir(), log=lambda m: console.print(m, highlight=False))
+        pinned = {"training_runtime_wheelhouse_src": str(wh.path)}
+        phase(f"wheelhouse ({'built' if wh.built else 'cached'}, {wh.bytes / 2**20:.0f} MiB)", t)
+
+        first = run_and_report("site.yml", ns, "site.yml, first run", extravars=pinned)
         phases.append(("site.yml", first.seconds))
         if not first.success:
             raise ShardstackError("site.yml failed on the lab; see the table above", exit_code=EXIT_FAILED_HOSTS)
@@ -277,7 +298,7 @@ def _demo(args: argparse.Namespace) -> int:
         phase(f"export → {exp.current}", t)
 
         t = time.monotonic()
-        ro = serve.rollout(inventory, on_event=LiveProgress())
+        ro = serve.rollout(inventory, extravars=pinned, on_event=LiveProgress())
         if not ro.success:
             console.print(summary_table(ro, "serve rollout"))
             raise ShardstackError("serve rollout failed", exit_code=EXIT_FAILED_HOSTS)
@@ -300,7 +321,7 @@ def _demo(args: argparse.Namespace) -> int:
                                   exit_code=EXIT_FAILED_HOSTS)
         phase("validate", t)
 
-        again = run_and_report("site.yml", ns, "site.yml, second run (must change nothing)")
+        again = run_and_report("site.yml", ns, "site.yml, second run (must change nothing)", extravars=pinned)
         phases.append((f"site.yml again ({again.changed} changed)", again.seconds))
         if not again.success or again.changed:
             raise ShardstackError(f"second deploy was not clean: {again.changed} changed, {again.failed} failed",
