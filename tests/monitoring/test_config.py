@@ -164,6 +164,9 @@ def test_service_arguments_render() -> None:
     am = RoleVars("prometheus", prometheus_alertmanager_cluster_peers=["10.0.0.2:9094"]).render(
         "alertmanager.default.j2")
     assert "--cluster.listen-address= " in am and "--cluster.peer=10.0.0.2:9094" in am
+    assert "--web.listen-address=0.0.0.0:9093" in am
+    prom = RoleVars("prometheus", prometheus_listen_address="::1").render("prometheus.default.j2")
+    assert "--web.listen-address=[::1]:9090" in prom and "--storage.tsdb.retention.time=15d" in prom
 
 
 def test_dcgm_gate_and_counters() -> None:
