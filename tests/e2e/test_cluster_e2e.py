@@ -37,7 +37,7 @@ pytestmark = [
 
 LAB = "ee2e"
 JOB = "e2e"
-STEPS = 160
+STEPS = 300
 
 
 class Cluster:
@@ -94,21 +94,16 @@ def test_two_node_job_survives_a_killed_worker(lab3: Cluster) -> None:
     job["metrics"]["log_every"] = 5
     sub = train.submit(job, JOB, lab3.inventory, nodes=2)
     assert sub.success, {h: (r.failed_task, r.message) for h, r in sub.hosts.items()}
-
-    # Wait for a checkpoint to exist (step > 40), then kill one worker process (not the torchrun agent).
-    deadline = time.monotonic() + 300
-    while True:
-        st = train.status(JOB, lab3.inventory)
-        if st.last_step and st.last_step["step"] >= 45:
-            break
-        assert st.state in ("running", "unknown", "finished"), st.to_dict()
-        assert st.state != "finished", "the job finished before the kill; raise STEPS"
-        assert time.monotonic() < deadline, f"job did not reach step 45: {st.to_dict()}"
-        time.sleep(2)
+    # On a worker node: wait for the step-40 checkpoint on shared storage, then SIGKILL that node's worker (the
+    # torchrun agent's child, not the agent). One ad-hoc command, so the kill lands mid-run whatever the host load.
     victim = lab3.inv["groups"]["train_nodes"][1]
-    killed = run_command(["sh", "-c", f"pkill -KILL -P $(systemctl show -p MainPID --value {train.unit(JOB)}) "
-                                      "&& echo killed"], lab3.inventory, victim)[victim]
-    assert killed.success and "killed" in killed.stdout, killed
+    ckpt = f"{job['checkpoint']['dir']}/step_00000040/manifest.json"
+    script = (f"for i in $(seq 1200); do [ -e {ckpt} ] && break; sleep 0.5; done; [ -e {ckpt} ] || exit 3; "
+              f"agent=$(systemctl show -p MainPID --value {train.unit(JOB)}); [ \"$agent\" -gt 0 ] || exit 4; "
+              "worker=$(pgrep -P \"$agent\"); [ -n \"$worker\" ] || exit 5; "
+              "kill -KILL $worker && echo \"killed worker $worker of agent $agent\"")
+    killed = run_command(["sh", "-c", script], lab3.inventory, victim, timeout=900)[victim]
+    assert killed.success and "killed worker" in killed.stdout, killed
 
     final = cluster.wait_job(JOB, lab3.inventory, timeout=600)
     assert final.state == "finished", final.to_dict()
