@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
+import signal
+import subprocess
 import sys
 from pathlib import Path
 from types import SimpleNamespace
@@ -57,16 +60,28 @@ def make_checkpointer(root: Path, **overrides) -> Checkpointer:
     return Checkpointer(cfg, config_hash="cafe", stage=3, job_config={"model": TINY.to_dict()})
 
 
-def torchrun(nproc: int, *args: str, timeout: float = 180, extra: tuple[str, ...] = ()) -> tuple[int, str]:
-    """Run a script under torchrun (c10d rendezvous on 127.0.0.1); its exit code and combined output."""
-    import subprocess
-
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(nproc), *extra]
-    if not extra:
-        cmd.append("--standalone")
+def start_group(cmd: list[str], **kwargs) -> subprocess.Popen:
+    """Start `cmd` in its own session so that `stop_group` can take down torchrun and all of its workers."""
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore"}
-    proc = subprocess.run([*cmd, *args], capture_output=True, text=True, timeout=timeout, env=env, cwd=REPO)
-    return proc.returncode, proc.stdout + proc.stderr
+    return subprocess.Popen(cmd, env={**env, **kwargs.pop("env", {})}, cwd=REPO, start_new_session=True, **kwargs)
+
+
+def stop_group(proc: subprocess.Popen) -> None:
+    with contextlib.suppress(ProcessLookupError):
+        os.killpg(proc.pid, signal.SIGKILL)
+    proc.wait()
+
+
+def torchrun(nproc: int, *args: str, timeout: float = 300) -> tuple[int, str]:
+    """Run a script under torchrun --standalone (c10d rendezvous on localhost); exit code and combined output."""
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(nproc), *args]
+    proc = start_group(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    try:
+        out, _ = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        stop_group(proc)
+        raise
+    return proc.returncode, out
 
 
 @pytest.fixture
