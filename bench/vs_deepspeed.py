@@ -119,6 +119,8 @@ def worker(args) -> None:
         def state_bytes() -> int:
             opt = engine.optimizer
             params = _tensor_bytes(p.ds_tensor for p in engine.module.parameters())
+            # "Persistent" parameters (below stage3_param_persistence_threshold) also stay whole on every rank.
+            params += _tensor_bytes(p.data for p in engine.module.parameters() if getattr(p, "ds_persist", False))
             master = _tensor_bytes(getattr(opt, "fp32_partitioned_groups_flat", []))
             states = _tensor_bytes(v for s in opt.optimizer.state.values() for v in s.values())
             return params + master + states + measured.get("grads", 0)
