@@ -8,12 +8,15 @@ import json
 import signal
 import subprocess
 import sys
+import tempfile
 import threading
 import time
+from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import httpx
+import pytest
 
 from .conftest import Service, running_service
 
@@ -22,84 +25,58 @@ def _complete(url: str, body: dict, timeout: float = 120) -> httpx.Response:
     return httpx.post(url + "/v1/completions", json=body, timeout=timeout)
 
 
-def test_overload_gets_429_with_retry_after_and_no_5xx(model_dir: Path, workdir: Path) -> None:
+@pytest.fixture(scope="module")
+def small_svc(model_dir: Path) -> Iterator[Service]:
+    """2 slots + 2 queue places. Shared by the overload test and, last in this file, the drain test."""
+    with tempfile.TemporaryDirectory(prefix="ss-") as tmp, running_service(
+        model_dir, Path(tmp), "--max-concurrency", "2", "--max-queue", "2", "--drain-seconds", "60"
+    ) as svc:
+        yield svc
+
+
+def test_overload_gets_429_with_retry_after_and_no_5xx(small_svc: Service) -> None:
     # 2 running + 2 queued fit; 12 at once must overflow, and every admitted request must still finish.
-    with running_service(model_dir, workdir, "--max-concurrency", "2", "--max-queue", "2") as svc:
-        body = {"prompt": "overload", "max_tokens": 64, "temperature": 1.0}
-        barrier = threading.Barrier(12)
+    svc = small_svc
+    body = {"prompt": "overload", "max_tokens": 64, "temperature": 1.0}
+    barrier = threading.Barrier(12)
 
-        def fire(_: int) -> httpx.Response:
-            barrier.wait()
-            return _complete(svc.url, body)
+    def fire(_: int) -> httpx.Response:
+        barrier.wait()
+        return _complete(svc.url, body)
 
-        with ThreadPoolExecutor(12) as pool:
-            responses = list(pool.map(fire, range(12)))
-        codes = sorted(r.status_code for r in responses)
-        assert set(codes) == {200, 429}, codes
-        assert codes.count(200) >= 4, codes  # at least the 2 running + 2 queued got through
-        for r in responses:
-            if r.status_code == 429:
-                assert int(r.headers["retry-after"]) >= 1
-                assert r.json()["error_type"] == "rate_limit_exceeded"
-            else:
-                assert r.json()["usage"]["completion_tokens"] == 64
-                assert r.json()["choices"][0]["finish_reason"] == "length"
-        metrics = httpx.get(svc.url + "/metrics").text
-        assert f'shardstack_infer_requests_total{{code="429"}} {codes.count(429)}.0' in metrics
-        assert 'code="5' not in metrics
-        assert httpx.get(svc.url + "/health").json()["status"] == "ok"
+    with ThreadPoolExecutor(12) as pool:
+        responses = list(pool.map(fire, range(12)))
+    codes = sorted(r.status_code for r in responses)
+    assert set(codes) == {200, 429}, codes
+    assert codes.count(200) >= 4, codes  # at least the 2 running + 2 queued got through
+    for r in responses:
+        if r.status_code == 429:
+            assert int(r.headers["retry-after"]) >= 1
+            assert r.json()["error_type"] == "rate_limit_exceeded"
+        else:
+            assert r.json()["usage"]["completion_tokens"] == 64
+            assert r.json()["choices"][0]["finish_reason"] == "length"
+    metrics = httpx.get(svc.url + "/metrics").text
+    assert f'shardstack_infer_requests_total{{code="429"}} {codes.count(429)}.0' in metrics
+    assert 'code="5' not in metrics
+    assert httpx.get(svc.url + "/health").json()["status"] == "ok"
 
-        # A client that goes away mid-stream frees its slot instead of decoding to max_tokens.
-        before = _generated(svc.url)
-        body = {"prompt": "bye", "max_tokens": 250, "stream": True}
-        with httpx.stream("POST", svc.url + "/v1/completions", json=body, timeout=60) as r:
-            next(line for line in r.iter_lines() if line)
-        deadline = time.monotonic() + 20
-        while httpx.get(svc.url + "/health").json()["running"] and time.monotonic() < deadline:
-            time.sleep(0.05)
-        assert httpx.get(svc.url + "/health").json()["running"] == 0
-        assert _generated(svc.url) - before < 250
+    # A client that goes away mid-stream frees its slot instead of decoding to max_tokens.
+    before = _generated(svc.url)
+    body = {"prompt": "bye", "max_tokens": 250, "stream": True}
+    with httpx.stream("POST", svc.url + "/v1/completions", json=body, timeout=60) as r:
+        next(line for line in r.iter_lines() if line)
+    deadline = time.monotonic() + 20
+    while httpx.get(svc.url + "/health").json()["running"] and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert httpx.get(svc.url + "/health").json()["running"] == 0
+    assert _generated(svc.url) - before < 250
 
 
 def _generated(url: str) -> float:
     line = next(x for x in httpx.get(url + "/metrics").text.splitlines()
                 if x.startswith("shardstack_infer_generation_tokens_total "))
     return float(line.split()[1])
-
-
-def test_sigterm_drains_in_flight_refuses_new_and_exits_zero(model_dir: Path, workdir: Path) -> None:
-    with running_service(model_dir, workdir, "--drain-seconds", "60") as svc:
-        started = threading.Barrier(4)
-        results: list[tuple[int, str, int]] = []
-
-        def streaming_request(i: int) -> None:
-            body = {"prompt": f"in flight {i}", "max_tokens": 200, "stream": True, "seed": i,
-                    "stream_options": {"include_usage": True}}
-            with httpx.stream("POST", svc.url + "/v1/completions", json=body, timeout=120) as r:
-                lines = r.iter_lines()
-                first = next(line for line in lines if line)  # generation has begun: the request is in flight
-                started.wait()
-                rest = [line for line in lines if line]
-            usage = json.loads(rest[-2].removeprefix("data: "))["usage"]
-            results.append((r.status_code, rest[-1], usage["completion_tokens"] if first else -1))
-
-        threads = [threading.Thread(target=streaming_request, args=(i,)) for i in range(3)]
-        for t in threads:
-            t.start()
-        started.wait(timeout=60)
-        svc.proc.send_signal(signal.SIGTERM)
-        svc.notify.wait_for("STOPPING", timeout=10)
-        # Still listening, but not admitting: the balancer sees 503 on /health and new requests get 503.
-        health = httpx.get(svc.url + "/health")
-        refused = _complete(svc.url, {"prompt": "too late", "max_tokens": 4})
-        assert (health.status_code, health.json()["status"]) == (503, "draining")
-        assert refused.status_code == 503 and refused.json()["error_type"] == "unavailable"
-        assert refused.headers["retry-after"] == "1"
-        for t in threads:
-            t.join(120)
-        assert results == [(200, "data: [DONE]", 200)] * 3
-        assert svc.proc.wait(60) == 0, svc.log()
-        assert "Traceback" not in svc.log()
 
 
 def test_hung_engine_fails_health_and_starves_the_watchdog(model_dir: Path, workdir: Path) -> None:
@@ -164,3 +141,38 @@ def test_cli_rejects_bad_arguments_in_one_line(tmp_path: Path) -> None:
     assert no_token.returncode == 2 and "non-empty token" in no_token.stderr
     bad_flag = run("--model", str(tmp_path / "m"), "--max-concurrency", "0")
     assert bad_flag.returncode == 2 and "must be > 0" in bad_flag.stderr
+
+
+def test_sigterm_drains_in_flight_refuses_new_and_exits_zero(small_svc: Service) -> None:
+    # Runs last in this module: it ends the shared service. 3 requests on 2 slots: 2 decoding, 1 queued.
+    svc = small_svc
+    results: list[tuple[int, str, int]] = []
+
+    def streaming_request(i: int) -> None:
+        body = {"prompt": f"in flight {i}", "max_tokens": 200, "stream": True, "seed": i,
+                "stream_options": {"include_usage": True}}
+        with httpx.stream("POST", svc.url + "/v1/completions", json=body, timeout=120) as r:
+            lines = [line for line in r.iter_lines() if line]
+        usage = json.loads(lines[-2].removeprefix("data: "))["usage"]
+        results.append((r.status_code, lines[-1], usage["completion_tokens"]))
+
+    threads = [threading.Thread(target=streaming_request, args=(i,)) for i in range(3)]
+    for t in threads:
+        t.start()
+    deadline = time.monotonic() + 60
+    while (state := httpx.get(svc.url + "/health").json()) != {"status": "ok", "running": 2, "waiting": 1}:
+        assert time.monotonic() < deadline, state
+        time.sleep(0.02)
+    svc.proc.send_signal(signal.SIGTERM)
+    svc.notify.wait_for("STOPPING", timeout=10)
+    # Still listening, but not admitting: the balancer sees 503 on /health and new requests get 503.
+    health = httpx.get(svc.url + "/health")
+    refused = _complete(svc.url, {"prompt": "too late", "max_tokens": 4})
+    assert (health.status_code, health.json()["status"]) == (503, "draining")
+    assert refused.status_code == 503 and refused.json()["error_type"] == "unavailable"
+    assert refused.headers["retry-after"] == "1"
+    for t in threads:
+        t.join(120)
+    assert results == [(200, "data: [DONE]", 200)] * 3  # the queued one too
+    assert svc.proc.wait(60) == 0, svc.log()
+    assert "Traceback" not in svc.log()
