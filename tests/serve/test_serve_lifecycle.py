@@ -37,15 +37,18 @@ def small_svc(model_dir: Path) -> Iterator[Service]:
 def test_overload_gets_429_with_retry_after_and_no_5xx(small_svc: Service) -> None:
     # 2 running + 2 queued fit; 12 at once must overflow, and every admitted request must still finish.
     svc = small_svc
-    body = {"prompt": "overload", "max_tokens": 64, "temperature": 1.0}
+    body = {"prompt": "overload", "max_tokens": 96, "temperature": 1.0}
     barrier = threading.Barrier(12)
+    # One pooled client made beforehand: building a client per request (TLS context and all) on a busy machine
+    # would spread the burst over longer than a request lasts.
+    with httpx.Client(base_url=svc.url, timeout=120, limits=httpx.Limits(max_connections=12)) as client:
 
-    def fire(_: int) -> httpx.Response:
-        barrier.wait()
-        return _complete(svc.url, body)
+        def fire(_: int) -> httpx.Response:
+            barrier.wait()
+            return client.post("/v1/completions", json=body)
 
-    with ThreadPoolExecutor(12) as pool:
-        responses = list(pool.map(fire, range(12)))
+        with ThreadPoolExecutor(12) as pool:
+            responses = list(pool.map(fire, range(12)))
     codes = sorted(r.status_code for r in responses)
     assert set(codes) == {200, 429}, codes
     assert codes.count(200) >= 4, codes  # at least the 2 running + 2 queued got through
@@ -54,7 +57,7 @@ def test_overload_gets_429_with_retry_after_and_no_5xx(small_svc: Service) -> No
             assert int(r.headers["retry-after"]) >= 1
             assert r.json()["error_type"] == "rate_limit_exceeded"
         else:
-            assert r.json()["usage"]["completion_tokens"] == 64
+            assert r.json()["usage"]["completion_tokens"] == 96
             assert r.json()["choices"][0]["finish_reason"] == "length"
     metrics = httpx.get(svc.url + "/metrics").text
     assert f'shardstack_infer_requests_total{{code="429"}} {codes.count(429)}.0' in metrics
