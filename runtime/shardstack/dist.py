@@ -51,6 +51,26 @@ def _pick_device(prefer: str, local_rank: int) -> tuple[torch.device, str, str]:
     return torch.device("cpu"), "gloo", why
 
 
+def _elastic_store_kwargs(rank: int) -> dict:
+    """Under torchrun's agent store, a store whose keys are private to this restart attempt.
+
+    With the c10d rendezvous the agent keeps one TCPStore across restarts, and torch's env:// handler adds no
+    per-attempt prefix, so restarted workers can read the dead group's gloo addresses ("connectFullMesh failed …
+    Connection refused") or its barrier counters (a hang). Prefixing by TORCHELASTIC_RESTART_COUNT, as torch
+    itself once did, keeps every attempt's keys apart.
+    """
+    env = os.environ
+    if env.get("TORCHELASTIC_USE_AGENT_STORE") != "True" or "TORCHELASTIC_RESTART_COUNT" not in env:
+        return {}
+    from datetime import timedelta
+
+    world_size = int(env["WORLD_SIZE"])
+    store = dist.TCPStore(env["MASTER_ADDR"], int(env["MASTER_PORT"]), world_size, is_master=False,
+                          timeout=timedelta(minutes=10))
+    prefixed = dist.PrefixStore(f"/worker/attempt_{env['TORCHELASTIC_RESTART_COUNT']}", store)
+    return {"store": prefixed, "rank": rank, "world_size": world_size}
+
+
 def init_distributed(device: str = "auto") -> DistInfo:
     """Join (or create) the default process group and pick this rank's device. Idempotent."""
     env = os.environ
@@ -60,7 +80,8 @@ def init_distributed(device: str = "auto") -> DistInfo:
     dev, backend, what = _pick_device(device, local_rank)
     if not dist.is_initialized():
         if under_launcher:
-            dist.init_process_group(backend, device_id=dev if dev.type == "cuda" else None)
+            dist.init_process_group(backend, device_id=dev if dev.type == "cuda" else None,
+                                    **_elastic_store_kwargs(rank))
         else:
             dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1)
     else:
