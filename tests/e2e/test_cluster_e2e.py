@@ -108,12 +108,12 @@ def test_two_node_job_survives_a_killed_worker(lab3: Cluster) -> None:
     final = cluster.wait_job(JOB, lab3.inventory, timeout=600)
     assert final.state == "finished", final.to_dict()
     assert final.last_step and final.last_step["step"] == STEPS
-    head_log = train.logs(JOB, lab3.inventory, lines=2000)
-    text = "\n".join(head_log.values())
-    assert "elastic restart 1: resumed from" in text, "no resume from a checkpoint after the kill"
-    # The resume was from a real checkpoint, not from scratch.
-    resumed = next(line for line in text.splitlines() if "elastic restart 1: resumed from" in line)
-    assert "step_000000" in resumed and "(step 0," not in resumed, resumed
+    # systemd restarted the agents (fresh rendezvous) and the trainer resumed from a checkpoint, not from scratch.
+    assert any(n.restarts >= 1 for n in final.nodes), final.to_dict()
+    text = "\n".join(train.logs(JOB, lab3.inventory, lines=3000).values())
+    resumed = [line for line in text.splitlines() if "resumed from" in line and "/step_" in line]
+    assert resumed, "no resume from a checkpoint after the kill"
+    assert all("(step 0," not in line for line in resumed), resumed
 
     seen = _prometheus_max(lab3.inv, "shardstack_train_step")
     assert seen is not None and seen >= 45, f"Prometheus saw shardstack_train_step max {seen}"
