@@ -109,8 +109,9 @@ def test_two_node_job_survives_a_killed_worker(lab3: Cluster) -> None:
     assert final.state == "finished", final.to_dict()
     assert final.last_step and final.last_step["step"] == STEPS
     # systemd restarted the agents (fresh rendezvous) and the trainer resumed from a checkpoint, not from scratch.
-    assert any(n.restarts >= 1 for n in final.nodes), final.to_dict()
+    # (NRestarts is gone once the finished template instance is unloaded: the journal is the record.)
     text = "\n".join(train.logs(JOB, lab3.inventory, lines=3000).values())
+    assert "Scheduled restart job" in text, "systemd did not restart the job's agents"
     resumed = [line for line in text.splitlines() if "resumed from" in line and "/step_" in line]
     assert resumed, "no resume from a checkpoint after the kill"
     assert all("(step 0," not in line for line in resumed), resumed
