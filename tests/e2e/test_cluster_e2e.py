@@ -5,8 +5,9 @@ mid-run and the job resuming from its last checkpoint, its metrics in Prometheus
 serving the trained model through HAProxy; one backend stopped under steady load and a rolling upgrade under
 load, each with zero failed client requests.
 
-Takes ~12-15 min on 2 cores (most of it installing torch on the nodes), so it runs only with SHARDSTACK_E2E=1
-(`make e2e`); the molecule scenarios and tests/ops cover the roles and the wrapper in `make test`.
+Takes 25-40 min on the shared 2-core host (site.yml's first run, mostly torch going into two venvs, was 12-15
+min there; its re-run 4-5 min), so it runs only with SHARDSTACK_E2E=1 (`make e2e`); the molecule scenarios and
+tests/ops cover the roles and the wrapper in `make test`.
 """
 
 from __future__ import annotations
