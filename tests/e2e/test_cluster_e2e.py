@@ -33,7 +33,8 @@ from shardstack.ops.wheelhouse import build as build_wheelhouse
 pytestmark = [
     pytest.mark.lab,
     pytest.mark.slow,
-    pytest.mark.skipif(os.environ.get("SHARDSTACK_E2E") != "1", reason="set SHARDSTACK_E2E=1 (make e2e): ~15 min"),
+    pytest.mark.skipif(os.environ.get("SHARDSTACK_E2E") != "1",
+                       reason="set SHARDSTACK_E2E=1 (make e2e): 25-40 min on 2 cores"),
 ]
 
 LAB = "ee2e"
