@@ -174,7 +174,7 @@ def validate_tables(data: dict[str, Any]) -> list[Table]:
     for host in sorted(set(gpu) | set(storage)):
         g, s = gpu.get(host, {}), storage.get(host, {})
         nodes.add_row(host, ", ".join(g.get("gpus") or []) or g.get("driver", ""),
-                      " ".join(g.get("nccl_conf") or []) or "-", _dd_rate(s.get("write", "")),
+                      "\n".join(g.get("nccl_conf") or []) or "-", _dd_rate(s.get("write", "")),
                       f"{_dd_rate(s.get('read', ''))} ({s.get('read_of', '')})",
                       str(s.get("peer_checksum_matches", "")))
     tables.append(nodes)
