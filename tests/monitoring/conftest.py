@@ -14,9 +14,9 @@ from types import ModuleType
 from typing import Any
 
 import pytest
-import yaml
 from ansible.parsing.dataloader import DataLoader
 from ansible.template import Templar, trust_as_template
+from ansible_vars import load_vars, trusted
 
 REPO = Path(__file__).resolve().parents[2]
 ROLES = REPO / "roles"
@@ -56,32 +56,18 @@ def load_filter_module() -> ModuleType:
     return module
 
 
-def _trust(value: Any) -> Any:
-    if isinstance(value, str):
-        return trust_as_template(value)
-    if isinstance(value, dict):
-        return {k: _trust(v) for k, v in value.items()}
-    if isinstance(value, list):
-        return [_trust(v) for v in value]
-    return value
-
-
-def _load(path: Path) -> dict[str, Any]:
-    return (yaml.safe_load(path.read_text()) or {}) if path.is_file() else {}
-
-
 class RoleVars:
     """One role's variable namespace for an imaginary Debian 12 host."""
 
     def __init__(self, role: str, **overrides: Any) -> None:
         self.role = ROLES / role
         layered: dict[str, Any] = {}
-        layered.update(_load(self.role / "defaults" / "main.yml"))
-        layered.update(_load(self.role / "vars" / "main.yml"))
+        layered.update(load_vars(self.role / "defaults" / "main.yml"))
+        layered.update(load_vars(self.role / "vars" / "main.yml"))
         layered.update(overrides)
         layered.setdefault("ansible_managed", "Ansible managed")
         layered["ansible_facts"] = FACTS
-        self.templar = Templar(loader=DataLoader(), variables=_trust(layered))
+        self.templar = Templar(loader=DataLoader(), variables=trusted(layered))
 
     def __getitem__(self, name: str) -> Any:
         return self.templar.template(trust_as_template("{{ " + name + " }}"))

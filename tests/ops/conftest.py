@@ -8,24 +8,15 @@ from typing import Any
 import yaml
 from ansible.parsing.dataloader import DataLoader
 from ansible.template import Templar, trust_as_template
+from ansible_vars import trusted
 
 REPO = Path(__file__).resolve().parents[2]
 ROLES = REPO / "roles"
-
-
-def _trust(value: Any) -> Any:
-    if isinstance(value, str):
-        return trust_as_template(value)
-    if isinstance(value, dict):
-        return {k: _trust(v) for k, v in value.items()}
-    if isinstance(value, list):
-        return [_trust(v) for v in value]
-    return value
 
 
 def render(role: str, template: str, **variables: Any) -> str:
     """Render roles/<role>/templates/<template> with the role's defaults, overridden by `variables`."""
     defaults = yaml.safe_load((ROLES / role / "defaults" / "main.yml").read_text()) or {}
     layered = {**defaults, "ansible_managed": "Ansible managed", **variables}
-    templar = Templar(loader=DataLoader(), variables=_trust(layered))
+    templar = Templar(loader=DataLoader(), variables=trusted(layered))
     return templar.template(trust_as_template((ROLES / role / "templates" / template).read_text()))

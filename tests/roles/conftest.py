@@ -11,9 +11,9 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-import yaml
 from ansible.parsing.dataloader import DataLoader
 from ansible.template import Templar, trust_as_template
+from ansible_vars import load_vars, trusted
 
 REPO = Path(__file__).resolve().parents[2]
 ROLES = REPO / "roles"
@@ -33,20 +33,6 @@ DEBIAN12_CONTAINER: dict[str, Any] = {
 }
 
 
-def _trust(value: Any) -> Any:
-    if isinstance(value, str):
-        return trust_as_template(value)
-    if isinstance(value, dict):
-        return {k: _trust(v) for k, v in value.items()}
-    if isinstance(value, list):
-        return [_trust(v) for v in value]
-    return value
-
-
-def _load(path: Path) -> dict[str, Any]:
-    return yaml.safe_load(path.read_text()) or {} if path.is_file() else {}
-
-
 class RoleEval:
     """A role's variable namespace for one imaginary host."""
 
@@ -58,9 +44,9 @@ class RoleEval:
             vars_file = self.role / "vars" / f"{facts.get('os_family', '')}.yml"
         layered: dict[str, Any] = {}
         for part in (
-            _load(self.role / "defaults" / "main.yml"),
-            _load(self.role / "vars" / "main.yml"),
-            _load(vars_file),
+            load_vars(self.role / "defaults" / "main.yml"),
+            load_vars(self.role / "vars" / "main.yml"),
+            load_vars(vars_file),
         ):
             layered.update(part)
         layered.update(overrides)
@@ -68,7 +54,7 @@ class RoleEval:
         layered.setdefault("ansible_managed", "Ansible managed")
         layered.setdefault("groups", {"all": [layered["inventory_hostname"]]})
         layered["ansible_facts"] = facts
-        self.templar = Templar(loader=DataLoader(), variables=_trust(layered))
+        self.templar = Templar(loader=DataLoader(), variables=trusted(layered))
 
     def __getitem__(self, name: str) -> Any:
         return self.templar.template(trust_as_template("{{ " + name + " }}"))

@@ -1,0 +1,25 @@
+"""Shared by the role-rendering tests: variables in the form Ansible's own Templar evaluates them."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import yaml
+from ansible.template import trust_as_template
+
+
+def trusted(value: Any) -> Any:
+    """Mark every string as a template, as Ansible does for variables it loads from a role's files."""
+    if isinstance(value, str):
+        return trust_as_template(value)
+    if isinstance(value, dict):
+        return {k: trusted(v) for k, v in value.items()}
+    if isinstance(value, list):
+        return [trusted(v) for v in value]
+    return value
+
+
+def load_vars(path: Path) -> dict[str, Any]:
+    """A role's vars/defaults file, or {} when the role has none."""
+    return (yaml.safe_load(path.read_text()) or {}) if path.is_file() else {}
