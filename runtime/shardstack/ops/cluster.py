@@ -108,7 +108,7 @@ def export_current(inventory: Path, checkpoint_dir: str, name: str, *, shared_di
 
 def load_token(inventory: Path) -> str | None:
     """The bearer token the inference_service role generated (kept beside the inventory on the controller)."""
-    path = inventory.resolve().parent / "credentials" / "inference-token"
+    path = inventory.resolve().parent / "credentials" / "inference-token.txt"
     return path.read_text().strip() if path.is_file() else None
 
 
