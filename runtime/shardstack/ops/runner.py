@@ -9,6 +9,7 @@ from __future__ import annotations
 import os
 import sys
 import time
+import uuid
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -79,6 +80,14 @@ class RunResult:
 Event = dict[str, Any]
 
 
+def _private_dir(parent: Path) -> Path:
+    """A fresh ansible-runner private_data_dir per run: runner reads env/extravars back from it, so a shared one
+    would hand one run's extra variables to the next run that passes none."""
+    path = parent.resolve() / f"{time.strftime('%Y%m%d-%H%M%S')}-{uuid.uuid4().hex[:8]}"
+    path.mkdir(parents=True)
+    return path
+
+
 def _tool_env() -> dict[str, str]:
     """ansible-playbook/ansible from this interpreter's environment, even when its bin/ is not on PATH."""
     here = str(Path(sys.executable).parent)
@@ -108,8 +117,7 @@ def run_playbook(
         raise ShardstackError(
             f"inventory {inventory} does not exist",
             hint="for the local lab run `shardstack lab up` first; for a cluster copy inventory/sample")
-    artifacts = (artifacts or root / "artifacts" / "runs").resolve()
-    artifacts.mkdir(parents=True, exist_ok=True)
+    artifacts = _private_dir(artifacts or root / "artifacts" / "runs")
     cmdline = " ".join(x for x in ("--check --diff" if check else "", f"--skip-tags {skip_tags}" if skip_tags else "")
                        if x)
     hosts: dict[str, HostResult] = {}
@@ -144,7 +152,6 @@ def run_playbook(
                  "ANSIBLE_ROLES_PATH": str(root / "roles"), "ANSIBLE_FORCE_COLOR": "0"},
         event_handler=handle,
         quiet=True,
-        rotate_artifacts=20,
     )
     stats = runner.stats or {}
     for key, attr in (("ok", "ok"), ("changed", "changed"), ("failures", "failed"), ("dark", "unreachable"),
@@ -193,8 +200,7 @@ def run_command(
     if not inventory.exists():
         raise ShardstackError(f"inventory {inventory} does not exist",
                               hint="for the local lab run `shardstack lab up` first")
-    artifacts = (artifacts or root / "artifacts" / "adhoc").resolve()
-    artifacts.mkdir(parents=True, exist_ok=True)
+    artifacts = _private_dir(artifacts or root / "artifacts" / "adhoc")
     results: dict[str, CommandResult] = {}
 
     def handle(event: Event) -> bool:
@@ -213,6 +219,6 @@ def run_command(
         module="ansible.builtin.command", module_args=shlex.join(argv),
         cmdline="--become" if become else None, timeout=timeout,
         envvars={**_tool_env(), "ANSIBLE_CONFIG": str(root / "ansible.cfg"), "ANSIBLE_FORCE_COLOR": "0"},
-        event_handler=handle, quiet=True, rotate_artifacts=20,
+        event_handler=handle, quiet=True,
     )
     return dict(sorted(results.items()))
