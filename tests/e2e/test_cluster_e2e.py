@@ -65,7 +65,10 @@ def lab3(tmp_path_factory: pytest.TempPathFactory):
     # One wheelhouse for the whole module: the source tree may change under a long test, the nodes must not.
     wh = build_wheelhouse(project_dir())
     try:
-        yield Cluster(inventory, {"training_runtime_wheelhouse_src": str(wh.path)})
+        # The test job runs ~30 s on an idle host, split by the kill: at the default 15 s scrape interval Prometheus
+        # can miss it entirely, so this cluster scrapes every 5 s.
+        yield Cluster(inventory, {"training_runtime_wheelhouse_src": str(wh.path),
+                                  "prometheus_scrape_interval": "5s", "prometheus_scrape_timeout": "4s"})
     finally:
         lab.down(LAB, Progress())
         assert lab.leftovers(LAB) == []
