@@ -43,7 +43,7 @@ demo: setup
 	$(BIN)/shardstack demo
 
 lint: setup
-	ruff check runtime tests bench plugins
+	ruff check runtime tests bench
 	yamllint -s .
 	ansible-lint --offline -q
 

@@ -1,9 +1,5 @@
 """Deploy time of site.yml on 1, 2 and 4 lab nodes: first run from bare nodes and an idempotent re-run.
 
-The re-run is timed twice, side by side on the same converged nodes: with the project's strategy
-(`shardstack_linear`, Ansible's linear through Mitogen) and with Ansible's plain `linear` (ANSIBLE_STRATEGY=linear,
-which overrides ansible.cfg in the ansible-playbook process ansible-runner starts).
-
     python bench/deploy_scale.py [--nodes 1 2 4] [--json out.json]
 
 Each size gets a fresh lab (prefix `eb`), the same prebuilt wheelhouse (its one-off build is not deploy time),
@@ -41,20 +37,14 @@ def deploy_times(nodes: int, wheelhouse: Path) -> dict:
             extravars = {"training_runtime_wheelhouse_src": str(wheelhouse)}
             first = run_playbook("site.yml", inventory, extravars=extravars)
             again = run_playbook("site.yml", inventory, extravars=extravars)
-            os.environ["ANSIBLE_STRATEGY"] = "linear"
-            try:
-                plain = run_playbook("site.yml", inventory, extravars=extravars)
-            finally:
-                del os.environ["ANSIBLE_STRATEGY"]
         finally:
             lab.down(name, Progress())
-    runs = (first, again, plain)
-    if not all(r.success for r in runs):
-        failed = {h: (r.failed_task, r.message) for res in runs for h, r in res.hosts.items() if not r.success}
+    if not (first.success and again.success):
+        failed = {h: (r.failed_task, r.message) for res in (first, again) for h, r in res.hosts.items()
+                  if not r.success}
         raise SystemExit(f"{nodes} node(s): site.yml failed: {failed}")
     return {"nodes": nodes, "lab_up_s": round(boot, 1), "first_s": round(first.seconds, 1),
-            "first_changed": first.changed, "rerun_s": round(again.seconds, 1), "rerun_changed": again.changed,
-            "rerun_linear_s": round(plain.seconds, 1), "rerun_linear_changed": plain.changed}
+            "first_changed": first.changed, "rerun_s": round(again.seconds, 1), "rerun_changed": again.changed}
 
 
 def main() -> int:
@@ -69,13 +59,11 @@ def main() -> int:
     load = os.getloadavg()[0]
     print(f"\nsite.yml deploy time on lab nodes ({os.cpu_count()} host cores, load {load:.1f}, "
           f"{platform.node()}; wheelhouse {wh.bytes / 2**20:.0f} MiB prebuilt)")
-    print(f"{'nodes':>5} | {'first run (s)':>13} | {'changed':>7} | {'re-run (s)':>10} | {'changed':>7} | "
-          f"{'re-run, plain linear (s)':>24} | {'changed':>7} | {'speed-up':>8}")
-    print("-" * 107)
+    print(f"{'nodes':>5} | {'first run (s)':>13} | {'changed':>7} | {'re-run (s)':>10} | {'changed':>7}")
+    print("-" * 56)
     for r in rows:
         print(f"{r['nodes']:>5} | {r['first_s']:>13.1f} | {r['first_changed']:>7} | {r['rerun_s']:>10.1f} | "
-              f"{r['rerun_changed']:>7} | {r['rerun_linear_s']:>24.1f} | {r['rerun_linear_changed']:>7} | "
-              f"{r['rerun_linear_s'] / r['rerun_s']:>7.2f}x")
+              f"{r['rerun_changed']:>7}")
     if args.json:
         args.json.write_text(json.dumps({"rows": rows, "host_cores": os.cpu_count(), "load": load}, indent=2))
     return 0

@@ -80,31 +80,3 @@ def test_cli_registers_ops_actions_beside_the_runtime_ones() -> None:
     top = shardstack("--help").stdout
     for cmd in ("deploy", "check", "validate", "wheelhouse", "demo"):
         assert cmd in top
-
-
-STRATEGY = Path(__file__).resolve().parents[2] / "plugins" / "strategy" / "shardstack_linear.py"
-
-
-def _strategy_bases(block_mitogen: bool) -> subprocess.CompletedProcess[str]:
-    code = (("import sys; sys.modules['ansible_mitogen'] = None\n" if block_mitogen else "")
-            + "import runpy; ns = runpy.run_path(sys.argv[1])\n"
-            + "print(' '.join(c.__module__ + '.' + c.__name__ for c in ns['StrategyModule'].__mro__))")
-    return subprocess.run([sys.executable, "-c", "import sys\n" + code, str(STRATEGY)],
-                          capture_output=True, text=True, timeout=60)
-
-
-def test_project_strategy_is_linear_through_mitogen() -> None:
-    cfg = subprocess.run([str(Path(sys.executable).parent / "ansible-config"), "dump", "--only-changed"],
-                         capture_output=True, text=True, timeout=60, cwd=STRATEGY.parents[2])
-    assert "DEFAULT_STRATEGY(" in cfg.stdout and "= shardstack_linear" in cfg.stdout
-    mro = _strategy_bases(block_mitogen=False)
-    assert mro.returncode == 0, mro.stderr
-    assert "ansible_mitogen.strategy.StrategyMixin" in mro.stdout
-    assert "ansible.plugins.strategy.linear.StrategyModule" in mro.stdout
-
-
-def test_project_strategy_falls_back_to_linear_without_mitogen() -> None:
-    mro = _strategy_bases(block_mitogen=True)
-    assert mro.returncode == 0, mro.stderr
-    assert "Mitogen" not in mro.stdout and "ansible.plugins.strategy.linear.StrategyModule" in mro.stdout
-    assert "Mitogen is not importable" in mro.stderr
