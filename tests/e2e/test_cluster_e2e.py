@@ -78,10 +78,15 @@ def test_site_first_run_then_idempotent(lab3: Cluster) -> None:
     first = lab3.site()
     assert first.success, {h: (r.failed_task, r.message) for h, r in first.hosts.items() if not r.success}
     again = lab3.site()
+    # `deploy --check` on the converged cluster: every task must run in check mode and predict no change.
+    check = run_playbook("site.yml", lab3.inventory, extravars=lab3.extravars, check=True)
     print(f"\nsite.yml on 3 lab nodes: first run {first.seconds:.0f}s ({first.changed} changed), "
-          f"re-run {again.seconds:.0f}s ({again.changed} changed)")
+          f"re-run {again.seconds:.0f}s ({again.changed} changed), check mode {check.seconds:.0f}s "
+          f"({check.changed} changed)")
     assert again.success
     assert again.changed == 0, {h: r.changed for h, r in again.hosts.items() if r.changed}
+    assert check.success, {h: (r.failed_task, r.message) for h, r in check.hosts.items() if not r.success}
+    assert check.changed == 0, {h: r.changed for h, r in check.hosts.items() if r.changed}
     assert set(first.hosts) == set(lab3.inv["groups"]["all"])
 
 
