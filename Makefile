@@ -21,7 +21,7 @@ STAMP := $(VENV)/.installed-$(shell cat pyproject.toml | sha1sum | cut -c1-12)
 help:
 	@echo "make demo   - set up, boot a 3-node lab, deploy site.yml on it, print a summary"
 	@echo "make test   - set up, lint, unit + distributed + lab tests, molecule, e2e"
-	@echo "make e2e    - the whole cluster on a 3-node lab: deploy, 2-node training, kill a worker, serve (~8 min)"
+	@echo "make e2e    - the whole cluster on a 3-node lab: deploy, 2-node training, kill a worker, serve (~9 min)"
 	@echo "make lint | unit | molecule | molecule-all | clean"
 
 setup: apt venv

@@ -1,11 +1,11 @@
 """End to end on a 3-node lab, through the same Python API the CLI uses (ansible-runner underneath).
 
-site.yml from bare nodes, then an idempotent re-run; a 2-node ZeRO-3 job as the systemd unit, one worker killed
-mid-run and the job resuming from its last checkpoint, its metrics in Prometheus; export, the inference tier
-serving the trained model through HAProxy; one backend stopped under steady load and a rolling upgrade under
-load, each with zero failed client requests.
+site.yml from bare nodes, an idempotent re-run and a check-mode run (0 changed both); a 2-node ZeRO-3 job as the
+systemd unit, one worker killed mid-run and the job resuming from its last checkpoint, its metrics in Prometheus;
+export, the inference tier serving the trained model through HAProxy; one backend stopped under steady load and a
+rolling upgrade under load, each with zero failed client requests.
 
-Takes ~8 min on the idle 2-core host (site.yml's first run, mostly torch going into two venvs, 3.5 min; its re-run
+Takes ~9 min on the idle 2-core host (site.yml's first run, mostly torch going into two venvs, ~4 min; its re-run
 1.2 min) and up to 40 min under load. It runs with SHARDSTACK_E2E=1 (`make e2e`, a step of `make test`); a plain
 `pytest` skips it so the unit run stays short.
 """
@@ -34,7 +34,7 @@ pytestmark = [
     pytest.mark.lab,
     pytest.mark.slow,
     pytest.mark.skipif(os.environ.get("SHARDSTACK_E2E") != "1",
-                       reason="set SHARDSTACK_E2E=1 (make e2e): 8-40 min on 2 cores"),
+                       reason="set SHARDSTACK_E2E=1 (make e2e): 9-40 min on 2 cores"),
 ]
 
 LAB = "ee2e"
