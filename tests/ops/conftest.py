@@ -5,10 +5,9 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-import yaml
 from ansible.parsing.dataloader import DataLoader
 from ansible.template import Templar, trust_as_template
-from ansible_vars import trusted
+from ansible_vars import load_vars, trusted
 
 REPO = Path(__file__).resolve().parents[2]
 ROLES = REPO / "roles"
@@ -16,7 +15,7 @@ ROLES = REPO / "roles"
 
 def render(role: str, template: str, **variables: Any) -> str:
     """Render roles/<role>/templates/<template> with the role's defaults, overridden by `variables`."""
-    defaults = yaml.safe_load((ROLES / role / "defaults" / "main.yml").read_text()) or {}
+    defaults = load_vars(ROLES / role / "defaults" / "main.yml")
     layered = {**defaults, "ansible_managed": "Ansible managed", **variables}
     templar = Templar(loader=DataLoader(), variables=trusted(layered))
     return templar.template(trust_as_template((ROLES / role / "templates" / template).read_text()))
