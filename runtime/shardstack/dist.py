@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import logging
 import os
+import sys
 from dataclasses import dataclass
 
 import torch
@@ -97,3 +98,19 @@ def init_distributed(device: str = "auto") -> DistInfo:
 def shutdown() -> None:
     if dist.is_initialized():
         dist.destroy_process_group()
+
+
+def leave_worker(code: int) -> None:
+    """End a torchrun worker now, without interpreter finalization; outside torchrun, return and let the caller go on.
+
+    Gloo's worker threads release a collective's tensors just after the collective has returned to Python. When
+    that release lands in interpreter finalization, the thread cannot take the GIL, unwinds through a noexcept
+    destructor and the process aborts (SIGABRT), so torchrun reports a finished job as failed (pytorch#179291).
+    A worker whose output is flushed has nothing left to finalize.
+    """
+    if "TORCHELASTIC_RUN_ID" not in os.environ:
+        return
+    logging.shutdown()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)

@@ -55,4 +55,5 @@ def _cmd_train(args: argparse.Namespace) -> int:
     finally:
         dist.shutdown()
     log.info("done: step %d, last loss %.4f", result.final_step, result.losses[-1] if result.losses else float("nan"))
+    dist.leave_worker(0)
     return 0

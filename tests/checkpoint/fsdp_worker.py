@@ -16,6 +16,7 @@ from types import SimpleNamespace
 import torch
 import torch.distributed as dist
 from shardstack.checkpoint import Checkpointer
+from shardstack.dist import leave_worker
 from shardstack.model import GPT, GPTConfig
 from torch.distributed.checkpoint.state_dict import (
     StateDictOptions,
@@ -98,6 +99,7 @@ def main() -> int:
         with open(args.out, "w") as f:
             json.dump({"start": start, "losses": losses, "world": world}, f)
     dist.destroy_process_group()
+    leave_worker(0)
     return 0
 
 

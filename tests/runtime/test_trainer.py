@@ -135,6 +135,22 @@ def test_auto_micro_batch_on_cpu_fits_the_budget(world1):
         pick_cpu(cfg, engine, 16, 32, budget=peak(1) - 1)
 
 
+@pytest.mark.parametrize("under_torchrun", [True, False])
+def test_leave_worker_ends_only_a_torchrun_worker_and_flushes_first(under_torchrun):
+    code = ("import logging, sys\nfrom shardstack.dist import leave_worker\n"
+            "logging.basicConfig(); logging.getLogger('t').warning('logged')\n"
+            "sys.stdout.write('printed'); leave_worker(3); print(' and returned')")
+    env = {k: v for k, v in os.environ.items() if k != "TORCHELASTIC_RUN_ID"}
+    if under_torchrun:
+        env["TORCHELASTIC_RUN_ID"] = "test"
+    proc = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)
+    assert "logged" in proc.stderr
+    if under_torchrun:  # the block-buffered pipe was flushed before os._exit
+        assert (proc.returncode, proc.stdout) == (3, "printed")
+    else:
+        assert (proc.returncode, proc.stdout) == (0, "printed and returned\n")
+
+
 @pytest.mark.distributed
 def test_cli_under_torchrun_two_ranks(tmp_path, data_dir):
     job = tmp_path / "job.yaml"

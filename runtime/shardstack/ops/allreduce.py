@@ -67,7 +67,11 @@ def main(argv: list[str] | None = None) -> int:
     result = measure(args.mb, args.iters)
     if result["rank"] == 0:
         print(json.dumps(result), flush=True)
-    return 0 if result["correct"] else 1
+    code = 0 if result["correct"] else 1
+    from shardstack.dist import leave_worker
+
+    leave_worker(code)
+    return code
 
 
 if __name__ == "__main__":

@@ -13,7 +13,7 @@ from pathlib import Path
 import torch
 import torch.distributed.checkpoint as dcp
 from shardstack.config import EngineConfig, OptimizerConfig
-from shardstack.dist import init_distributed, shutdown
+from shardstack.dist import init_distributed, leave_worker, shutdown
 from shardstack.engine import build_engine, optimizer_param_groups
 from shardstack.estimate import estimate_stage
 from shardstack.model import GPT, GPTConfig
@@ -118,6 +118,7 @@ def main() -> None:
         res["reference"] = reference(data[:STEPS])
     torch.save(res, out / f"rank{info.rank}.pt")
     shutdown()
+    leave_worker(0)
 
 
 if __name__ == "__main__":
