@@ -6,7 +6,11 @@ from pathlib import Path
 from typing import Any
 
 import yaml
+from ansible.plugins.loader import init_plugin_loader
 from ansible.template import trust_as_template
+
+# Lookups in role variables and templates (fileglob, file) resolve as they do in a play.
+init_plugin_loader()
 
 
 def trusted(value: Any) -> Any:

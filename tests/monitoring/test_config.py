@@ -12,7 +12,7 @@ import pytest
 import yaml
 from shardstack.lab.inventory import group_layout
 
-from .conftest import DASHBOARDS_DIR, REPO, RULES_DIR, RoleVars, load_filter_module, run, tool
+from .conftest import DASHBOARDS_DIR, REPO, ROLES, RULES_DIR, RoleVars, load_filter_module, run, tool
 
 targets_filter = load_filter_module().scrape_targets
 DEFAULT_JOBS = yaml.safe_load((REPO / "roles" / "prometheus" / "defaults" / "main.yml").read_text())[
@@ -96,16 +96,13 @@ def test_duplicate_job_names_are_rejected() -> None:
 
 
 def _render_prometheus(tmp_path: Path, **overrides: Any) -> Path:
-    """Write what the prometheus role writes (file_sd, rules, prometheus.yml) under tmp_path."""
+    """Write what the prometheus role writes (rules, prometheus.yml with the targets) under tmp_path."""
     groups, hostvars = inventory_groups(REPO / "inventory" / "sample" / "hosts.yml")
     targets = targets_filter(DEFAULT_JOBS, groups, hostvars)
-    (tmp_path / "file_sd").mkdir()
     (tmp_path / "rules").mkdir()
-    for job, groups_ in targets.items():
-        (tmp_path / "file_sd" / f"{job}.json").write_text(json.dumps(groups_, indent=2))
-    for rule in RULES_DIR.glob("*.rules.yml"):
-        (tmp_path / "rules" / rule.name).write_text(rule.read_text())
-    role = RoleVars("prometheus", __prometheus_config_dir=str(tmp_path), __prometheus_targets=targets, **overrides)
+    role = RoleVars("prometheus", role_path=str(ROLES / "prometheus"), __prometheus_config_dir=str(tmp_path),
+                    __prometheus_targets=targets, **overrides)
+    (tmp_path / "rules" / role["__prometheus_builtin_rules_file"]).write_text(role.render("shardstack.rules.yml.j2"))
     config = tmp_path / "prometheus.yml"
     config.write_text(role.render("prometheus.yml.j2"))
     return config
@@ -115,11 +112,18 @@ def test_prometheus_config_passes_promtool(tmp_path: Path) -> None:
     config = _render_prometheus(tmp_path)
     proc = run(tool("promtool"), "check", "config", str(config))
     assert proc.returncode == 0, proc.stdout + proc.stderr
-    # promtool also loaded and checked every rule file the config points at.
-    assert proc.stdout.count("SUCCESS") >= 1 + len(list(RULES_DIR.glob("*.rules.yml")))
+    # promtool also loaded and checked the rule file the config points at: the role's rule set in one file.
+    (built,) = (config.parent / "rules").iterdir()
+    shipped = [g for p in sorted(RULES_DIR.glob("*.rules.yml")) for g in yaml.safe_load(p.read_text())["groups"]]
+    assert yaml.safe_load(built.read_text())["groups"] == shipped
+    assert "SUCCESS: 1 rule files found" in proc.stdout
+    assert f"SUCCESS: {sum(len(g['rules']) for g in shipped)} rules found" in proc.stdout
+    assert "DCGM_FI_DEV_XID_ERRORS is a gauge" in built.read_text()  # the files' comments come along
     cfg = yaml.safe_load(config.read_text())
     jobs = {j["job_name"]: j for j in cfg["scrape_configs"]}
     assert set(jobs) == {j["name"] for j in DEFAULT_JOBS}
+    targets = targets_filter(DEFAULT_JOBS, *inventory_groups(REPO / "inventory" / "sample" / "hosts.yml"))
+    assert {name: job["static_configs"] for name, job in jobs.items()} == targets
     relabel = jobs["node"]["metric_relabel_configs"][0]
     assert re.fullmatch(relabel["regex"], "node_filesystem_avail_bytes;/srv/shardstack")
     assert not re.fullmatch(relabel["regex"], "node_filesystem_avail_bytes;/srv/shardstack2")

@@ -166,6 +166,33 @@ def test_rdma_no_peermem_without_gpu(role_eval: Any, find_result: Any, debian_co
     assert r["__rdma_modules_effective"] == ["ib_uverbs", "rdma_ucm", "ib_umad"]
 
 
+IB = "/sys/class/infiniband/mlx5_0"
+GATES = {  # role: (its own registered probes, the decisions it derives)
+    "nvidia_driver": (["__nvidia_driver_pci", "__nvidia_driver_devnodes"], ["__nvidia_driver_enabled"]),
+    "cuda_toolkit": (["__cuda_toolkit_pci", "__cuda_toolkit_devnodes"], ["__cuda_toolkit_enabled"]),
+    "nccl": (["__nccl_pci", "__nccl_devnodes", "__nccl_ib_devices"], ["__nccl_install", "__nccl_ib_found"]),
+    "rdma": (["__rdma_ib", "__rdma_pci"], ["__rdma_enabled", "__rdma_gpu_found"]),
+    "dcgm_exporter": (["__dcgm_exporter_pci", "__dcgm_exporter_devnodes"], ["__dcgm_exporter_enabled"]),
+}
+
+
+@pytest.mark.parametrize("role", sorted(GATES))
+@pytest.mark.parametrize("present", [True, False], ids=["gpu+ib", "bare"])
+def test_site_preflight_hardware_takes_precedence_over_the_roles_own_probes(
+    role_eval: Any, find_result: Any, debian_container: dict, role: str, present: bool
+) -> None:
+    """site.yml probes once and publishes `shardstack_hardware`; the roles then skip their own probes. Their
+    registered results are the opposite here, so a decision that followed them would fail."""
+    hardware = {"nvidia_pci_functions": [GPU] if present else [], "nvidia_device_nodes": [],
+                "rdma_devices": [IB] if present else []}
+    registers, decisions = GATES[role]
+    stale = {reg: find_result() if present else find_result(GPU if "ib" not in reg else IB) for reg in registers}
+    r = role_eval(role, _bare_metal(debian_container), shardstack_hardware=hardware, **stale)
+    assert [r[d] for d in decisions] == [present] * len(decisions)
+    if role == "rdma":
+        assert r["__rdma_devices"] == (["mlx5_0"] if present else [])
+
+
 @pytest.mark.parametrize(
     ("container", "force", "kernel"), [(True, False, False), (True, True, True), (False, False, True)]
 )

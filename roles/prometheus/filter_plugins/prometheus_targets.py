@@ -41,7 +41,7 @@ def _job_hosts(job: Mapping[str, Any], groups: Mapping[str, Sequence[str]],
 
 def scrape_targets(jobs: Sequence[Mapping[str, Any]], groups: Mapping[str, Sequence[str]],
                    hostvars: Mapping[str, Any]) -> dict[str, list[dict[str, Any]]]:
-    """Return {job name: file_sd target groups}, one group per host so each carries its own labels.
+    """Return {job name: static_configs target groups}, one group per host so each carries its own labels.
 
     Every target gets `node` (the inventory name) and `train_node` ("true" when the host is in train_nodes,
     which the training alerts select on). Disabled jobs (`enabled: false`) are left out entirely.
