@@ -1,4 +1,9 @@
-"""Shared by the role-rendering tests: variables in the form Ansible's own Templar evaluates them."""
+"""Shared by the role-rendering tests: a role's variables and templates evaluated by Ansible's own Templar,
+without a host.
+
+The role's defaults, vars/main.yml and vars/<distribution or family>.yml are layered as Ansible would (defaults
+lowest); the test supplies facts, registered results and overrides. Values are marked trusted the way Ansible marks
+files it loads itself, so Jinja in them is evaluated (ansible-core >= 2.19 refuses untrusted templates)."""
 
 from __future__ import annotations
 
@@ -6,8 +11,9 @@ from pathlib import Path
 from typing import Any
 
 import yaml
+from ansible.parsing.dataloader import DataLoader
 from ansible.plugins.loader import init_plugin_loader
-from ansible.template import trust_as_template
+from ansible.template import Templar, trust_as_template
 
 # Lookups in role variables and templates (fileglob, file) resolve as they do in a play.
 init_plugin_loader()
@@ -27,3 +33,32 @@ def trusted(value: Any) -> Any:
 def load_vars(path: Path) -> dict[str, Any]:
     """A role's vars/defaults file, or {} when the role has none."""
     return (yaml.safe_load(path.read_text()) or {}) if path.is_file() else {}
+
+
+ROLES = Path(__file__).resolve().parent.parent / "roles"
+
+
+class RoleEval:
+    """One role's variable namespace for one imaginary host with the given facts."""
+
+    def __init__(self, role: str, facts: dict[str, Any], **overrides: Any) -> None:
+        self.role = ROLES / role
+        vars_file = self.role / "vars" / f"{facts.get('distribution', '')}.yml"
+        if not vars_file.is_file():
+            vars_file = self.role / "vars" / f"{facts.get('os_family', '')}.yml"
+        layered: dict[str, Any] = {}
+        for part in (load_vars(self.role / "defaults" / "main.yml"), load_vars(self.role / "vars" / "main.yml"),
+                     load_vars(vars_file)):
+            layered.update(part)
+        layered.update(overrides)
+        layered.setdefault("inventory_hostname", "node1")
+        layered.setdefault("ansible_managed", "Ansible managed")
+        layered.setdefault("groups", {"all": [layered["inventory_hostname"]]})
+        layered["ansible_facts"] = facts
+        self.templar = Templar(loader=DataLoader(), variables=trusted(layered))
+
+    def __getitem__(self, name: str) -> Any:
+        return self.templar.template(trust_as_template("{{ " + name + " }}"))
+
+    def render(self, template: str) -> str:
+        return self.templar.template(trust_as_template((self.role / "templates" / template).read_text()))

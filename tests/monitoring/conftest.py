@@ -1,7 +1,7 @@
 """Helpers for the monitoring tests: the repo's paths, promtool/amtool, and role templating without a host.
 
-Role variables are layered as Ansible does (defaults, then vars/main.yml, then overrides) and evaluated with
-Ansible's own Templar, so the templates under test are exactly what the roles write on a node.
+Role variables are evaluated by tests/ansible_vars.RoleEval (Ansible's own Templar), so the templates under test
+are exactly what the roles write on a node.
 """
 
 from __future__ import annotations
@@ -14,9 +14,7 @@ from types import ModuleType
 from typing import Any
 
 import pytest
-from ansible.parsing.dataloader import DataLoader
-from ansible.template import Templar, trust_as_template
-from ansible_vars import load_vars, trusted
+from ansible_vars import RoleEval
 
 REPO = Path(__file__).resolve().parents[2]
 ROLES = REPO / "roles"
@@ -56,21 +54,6 @@ def load_filter_module() -> ModuleType:
     return module
 
 
-class RoleVars:
-    """One role's variable namespace for an imaginary Debian 12 host."""
-
-    def __init__(self, role: str, **overrides: Any) -> None:
-        self.role = ROLES / role
-        layered: dict[str, Any] = {}
-        layered.update(load_vars(self.role / "defaults" / "main.yml"))
-        layered.update(load_vars(self.role / "vars" / "main.yml"))
-        layered.update(overrides)
-        layered.setdefault("ansible_managed", "Ansible managed")
-        layered["ansible_facts"] = FACTS
-        self.templar = Templar(loader=DataLoader(), variables=trusted(layered))
-
-    def __getitem__(self, name: str) -> Any:
-        return self.templar.template(trust_as_template("{{ " + name + " }}"))
-
-    def render(self, template: str) -> str:
-        return self.templar.template(trust_as_template((self.role / "templates" / template).read_text()))
+def role_vars(role: str, **overrides: Any) -> RoleEval:
+    """One role's variable namespace for an imaginary Debian 12 container."""
+    return RoleEval(role, FACTS, **overrides)

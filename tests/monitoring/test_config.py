@@ -12,7 +12,7 @@ import pytest
 import yaml
 from shardstack.lab.inventory import group_layout
 
-from .conftest import DASHBOARDS_DIR, REPO, ROLES, RULES_DIR, RoleVars, load_filter_module, run, tool
+from .conftest import DASHBOARDS_DIR, REPO, ROLES, RULES_DIR, load_filter_module, role_vars, run, tool
 
 targets_filter = load_filter_module().scrape_targets
 DEFAULT_JOBS = yaml.safe_load((REPO / "roles" / "prometheus" / "defaults" / "main.yml").read_text())[
@@ -100,7 +100,7 @@ def _render_prometheus(tmp_path: Path, **overrides: Any) -> Path:
     groups, hostvars = inventory_groups(REPO / "inventory" / "sample" / "hosts.yml")
     targets = targets_filter(DEFAULT_JOBS, groups, hostvars)
     (tmp_path / "rules").mkdir()
-    role = RoleVars("prometheus", role_path=str(ROLES / "prometheus"), __prometheus_config_dir=str(tmp_path),
+    role = role_vars("prometheus", role_path=str(ROLES / "prometheus"), __prometheus_config_dir=str(tmp_path),
                     __prometheus_targets=targets, **overrides)
     (tmp_path / "rules" / role["__prometheus_builtin_rules_file"]).write_text(role.render("shardstack.rules.yml.j2"))
     config = tmp_path / "prometheus.yml"
@@ -144,7 +144,7 @@ def test_alertmanager_config_passes_amtool(tmp_path: Path, webhooks: bool) -> No
     overrides = {"prometheus_alertmanager_webhook_url": "http://alerts.example:9000/hook",
                  "prometheus_alertmanager_watchdog_url": "http://heartbeat.example/ping"} if webhooks else {}
     config = tmp_path / "alertmanager.yml"
-    config.write_text(RoleVars("prometheus", **overrides).render("alertmanager.yml.j2"))
+    config.write_text(role_vars("prometheus", **overrides).render("alertmanager.yml.j2"))
     proc = run(tool("amtool"), "check-config", str(config))
     assert proc.returncode == 0, proc.stdout + proc.stderr
     cfg = yaml.safe_load(config.read_text())
@@ -159,30 +159,30 @@ def test_alertmanager_config_passes_amtool(tmp_path: Path, webhooks: bool) -> No
 
 
 def test_service_arguments_render() -> None:
-    ne = RoleVars("node_exporter").render("node_exporter.default.j2")
+    ne = role_vars("node_exporter").render("node_exporter.default.j2")
     assert "--web.listen-address=0.0.0.0:9100" in ne
     assert "--collector.textfile.directory=/var/lib/prometheus/node-exporter" in ne
     assert ne.startswith("#") and "Ansible managed" in ne
-    ipv6 = RoleVars("node_exporter", node_exporter_listen_address="::").render("node_exporter.default.j2")
+    ipv6 = role_vars("node_exporter", node_exporter_listen_address="::").render("node_exporter.default.j2")
     assert "--web.listen-address=[::]:9100" in ipv6
-    am = RoleVars("prometheus", prometheus_alertmanager_cluster_peers=["10.0.0.2:9094"]).render(
+    am = role_vars("prometheus", prometheus_alertmanager_cluster_peers=["10.0.0.2:9094"]).render(
         "alertmanager.default.j2")
     assert "--cluster.listen-address= " in am and "--cluster.peer=10.0.0.2:9094" in am
     assert "--web.listen-address=0.0.0.0:9093" in am
-    prom = RoleVars("prometheus", prometheus_listen_address="::1").render("prometheus.default.j2")
+    prom = role_vars("prometheus", prometheus_listen_address="::1").render("prometheus.default.j2")
     assert "--web.listen-address=[::1]:9090" in prom and "--storage.tsdb.retention.time=15d" in prom
 
 
 def test_dcgm_gate_and_counters() -> None:
     none = {"files": []}
-    skip = RoleVars("dcgm_exporter", __dcgm_exporter_pci=none, __dcgm_exporter_devnodes=none)
+    skip = role_vars("dcgm_exporter", __dcgm_exporter_pci=none, __dcgm_exporter_devnodes=none)
     assert skip["__dcgm_exporter_enabled"] is False
     assert skip["__dcgm_exporter_reason"].startswith("skipped: no NVIDIA GPU found")
-    forced = RoleVars("dcgm_exporter", __dcgm_exporter_pci=none, __dcgm_exporter_devnodes=none,
+    forced = role_vars("dcgm_exporter", __dcgm_exporter_pci=none, __dcgm_exporter_devnodes=none,
                       dcgm_exporter_force=True)
     assert forced["__dcgm_exporter_enabled"] is True
     assert "forced" in forced["__dcgm_exporter_reason"]
-    gpu = RoleVars("dcgm_exporter", __dcgm_exporter_pci={"files": [{"path": "a"}, {"path": "b"}]},
+    gpu = role_vars("dcgm_exporter", __dcgm_exporter_pci={"files": [{"path": "a"}, {"path": "b"}]},
                    __dcgm_exporter_devnodes=none)
     assert gpu["__dcgm_exporter_reason"] == "enabled: 2 NVIDIA PCI device(s)"
     csv = gpu.render("counters.csv.j2")
@@ -194,12 +194,12 @@ def test_dcgm_gate_and_counters() -> None:
 
 def test_grafana_gate() -> None:
     unreachable = {"status": -1, "msg": "Request failed: <urlopen error [Errno 101] Network is unreachable>"}
-    auto = RoleVars("grafana", __grafana_repo_probe=unreachable)
+    auto = role_vars("grafana", __grafana_repo_probe=unreachable)
     assert auto["__grafana_active"] is False
     assert auto["__grafana_reason"].startswith("skipped: https://apt.grafana.com is unreachable")
-    assert RoleVars("grafana", __grafana_repo_probe={"status": 200})["__grafana_active"] is True
-    assert RoleVars("grafana", grafana_enabled="true", __grafana_repo_probe=unreachable)["__grafana_active"] is True
-    off = RoleVars("grafana", grafana_enabled="false", __grafana_repo_probe={"status": 200})
+    assert role_vars("grafana", __grafana_repo_probe={"status": 200})["__grafana_active"] is True
+    assert role_vars("grafana", grafana_enabled="true", __grafana_repo_probe=unreachable)["__grafana_active"] is True
+    off = role_vars("grafana", grafana_enabled="false", __grafana_repo_probe={"status": 200})
     assert off["__grafana_active"] is False
 
 
@@ -213,7 +213,7 @@ def _exprs(dashboard: dict) -> list[str]:
 
 def test_dashboards_are_provisionable() -> None:
     assert {p.stem for p in DASHBOARDS} == {"cluster-overview", "training-job", "inference"}
-    role = RoleVars("grafana", groups={"monitoring_server": ["ops01"]},
+    role = role_vars("grafana", groups={"monitoring_server": ["ops01"]},
                     hostvars={"ops01": {"ansible_host": "192.0.2.31"}})
     datasource = yaml.safe_load(role.render("datasource.yml.j2"))["datasources"][0]
     assert datasource["url"] == "http://192.0.2.31:9090"

@@ -9,7 +9,7 @@ import sys
 from pathlib import Path
 
 import pytest
-from shardstack.ops.runner import run_command, run_playbook
+from shardstack.ops.runner import KEEP_RUNS, _private_dir, run_command, run_playbook
 
 
 @pytest.fixture
@@ -37,6 +37,17 @@ def test_run_playbook_reports_per_host_results(local_inventory: Path, tmp_path: 
     assert "playbook_on_task_start" in events
     assert Path(res.artifact_dir).is_dir()
     assert res.to_dict()["failed"] == 1
+
+
+def test_each_run_gets_a_fresh_directory_and_only_the_newest_are_kept(tmp_path: Path) -> None:
+    old = [tmp_path / f"20260101-0000{i:02d}-{i:08x}" for i in range(KEEP_RUNS + 5)]
+    for d in old:
+        (d / "artifacts").mkdir(parents=True)
+    (tmp_path / "notes").mkdir()  # not a run directory: left alone
+    new = _private_dir(tmp_path)
+    assert new.is_dir() and not any(new.iterdir())
+    kept = sorted(p.name for p in tmp_path.iterdir())
+    assert kept == sorted([d.name for d in old[-(KEEP_RUNS - 1):]] + [new.name, "notes"])
 
 
 def test_check_mode_changes_nothing(local_inventory: Path, tmp_path: Path) -> None:

@@ -1,9 +1,4 @@
-"""Evaluate a role's variables and templates with Ansible's own templating engine, without a host.
-
-The role's defaults, vars/main.yml and vars/<family>.yml are layered as Ansible would (defaults lowest); the test
-supplies facts, registered detection results and overrides. Values are marked trusted the way Ansible marks files
-it loads itself, so Jinja in them is evaluated (ansible-core >= 2.19 refuses untrusted templates).
-"""
+"""Fixtures for the role tests: a Debian 12 container's facts, find results and the role evaluator."""
 
 from __future__ import annotations
 
@@ -11,9 +6,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from ansible.parsing.dataloader import DataLoader
-from ansible.template import Templar, trust_as_template
-from ansible_vars import load_vars, trusted
+from ansible_vars import RoleEval
 
 REPO = Path(__file__).resolve().parents[2]
 ROLES = REPO / "roles"
@@ -31,37 +24,6 @@ DEBIAN12_CONTAINER: dict[str, Any] = {
     "lo": {"device": "lo", "ipv4": {"address": "127.0.0.1"}},
     "default_ipv4": {},
 }
-
-
-class RoleEval:
-    """A role's variable namespace for one imaginary host."""
-
-    def __init__(self, role: str, facts: dict[str, Any], **overrides: Any) -> None:
-        self.role = ROLES / role
-        family = facts.get("distribution", "")
-        vars_file = self.role / "vars" / f"{family}.yml"
-        if not vars_file.is_file():
-            vars_file = self.role / "vars" / f"{facts.get('os_family', '')}.yml"
-        layered: dict[str, Any] = {}
-        for part in (
-            load_vars(self.role / "defaults" / "main.yml"),
-            load_vars(self.role / "vars" / "main.yml"),
-            load_vars(vars_file),
-        ):
-            layered.update(part)
-        layered.update(overrides)
-        layered.setdefault("inventory_hostname", "node1")
-        layered.setdefault("ansible_managed", "Ansible managed")
-        layered.setdefault("groups", {"all": [layered["inventory_hostname"]]})
-        layered["ansible_facts"] = facts
-        self.templar = Templar(loader=DataLoader(), variables=trusted(layered))
-
-    def __getitem__(self, name: str) -> Any:
-        return self.templar.template(trust_as_template("{{ " + name + " }}"))
-
-    def render(self, template: str) -> str:
-        text = (self.role / "templates" / template).read_text()
-        return self.templar.template(trust_as_template(text))
 
 
 def found(*paths: str) -> dict[str, Any]:

@@ -16,7 +16,7 @@ from typing import Any
 
 from shardstack.errors import ShardstackError
 from shardstack.ops import train as train_ops
-from shardstack.ops.runner import run_command
+from shardstack.ops.runner import project_dir, run_command
 
 VENV = "/opt/shardstack/venv"
 SHARED_DIR = "/srv/shardstack"  # training_runtime_shared_dir's default (the shared_storage mount point)
@@ -106,10 +106,30 @@ def export_current(inventory: Path, checkpoint_dir: str, name: str, *, shared_di
     return ExportResult(head, out, f"{models}/current", (res.stdout + res.stderr).strip())
 
 
-def load_token(inventory: Path) -> str | None:
-    """The bearer token the inference_service role generated (kept beside the inventory on the controller)."""
-    path = inventory.resolve().parent / "credentials" / "inference-token.txt"
+def load_token(inventory: Path, inv: dict[str, Any] | None = None) -> str | None:
+    """The bearer token the inference nodes expect, found as the inference_service role finds it: the inventory's
+    `inference_service_token`, else the file at `inference_service_token_store` (the inventory's value, else the
+    role's default), where the role keeps the token it generated. None when there is none yet."""
+    inv = inv or inventory_hosts(inventory)
+    nodes = inv["groups"].get("inference_nodes") or []
+    hostvars = inv["hostvars"].get(nodes[0], {}) if nodes else {}
+    if hostvars.get("inference_service_token"):
+        return str(hostvars["inference_service_token"])
+    store = str(hostvars.get("inference_service_token_store") or _role_default("inference_service",
+                                                                                "inference_service_token_store"))
+    inventory = inventory.resolve()
+    store = store.replace("{{ inventory_dir }}", str(inventory if inventory.is_dir() else inventory.parent))
+    if "{{" in store:
+        raise ShardstackError(f"inference_service_token_store={store!r}: only {{{{ inventory_dir }}}} is resolved "
+                              "outside a play; set a plain path")
+    path = Path(store)
     return path.read_text().strip() if path.is_file() else None
+
+
+def _role_default(role: str, name: str) -> Any:
+    import yaml
+
+    return yaml.safe_load((project_dir() / "roles" / role / "defaults" / "main.yml").read_text())[name]
 
 
 def lb_url(inventory: Path, port: int = LB_PORT) -> str:

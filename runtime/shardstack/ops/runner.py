@@ -7,6 +7,8 @@ ok/changed/failed counts and, for each failed host, the task and message that fa
 from __future__ import annotations
 
 import os
+import re
+import shutil
 import sys
 import time
 import uuid
@@ -80,11 +82,20 @@ class RunResult:
 Event = dict[str, Any]
 
 
-def _private_dir(parent: Path) -> Path:
+KEEP_RUNS = 20  # run directories kept under each parent (artifacts/runs, artifacts/adhoc)
+_RUN_DIR = re.compile(r"\d{8}-\d{6}-[0-9a-f]{8}")
+
+
+def _private_dir(parent: Path, keep: int = KEEP_RUNS) -> Path:
     """A fresh ansible-runner private_data_dir per run: runner reads env/extravars back from it, so a shared one
-    would hand one run's extra variables to the next run that passes none."""
-    path = parent.resolve() / f"{time.strftime('%Y%m%d-%H%M%S')}-{uuid.uuid4().hex[:8]}"
+    would hand one run's extra variables to the next run that passes none. The oldest run directories beyond
+    `keep` are removed (names sort by time), so artifacts do not grow without bound; nothing else is touched."""
+    parent = parent.resolve()
+    path = parent / f"{time.strftime('%Y%m%d-%H%M%S')}-{uuid.uuid4().hex[:8]}"
     path.mkdir(parents=True)
+    runs = sorted(p for p in parent.iterdir() if p.is_dir() and _RUN_DIR.fullmatch(p.name))
+    for old in runs[:-keep]:
+        shutil.rmtree(old, ignore_errors=True)
     return path
 
 
