@@ -5,8 +5,8 @@ systemd unit, one worker killed mid-run and the job resuming from its last check
 export, the inference tier serving the trained model through HAProxy; one backend stopped under steady load and a
 rolling upgrade under load, each with zero failed client requests.
 
-Takes ~9 min on the idle 2-core host (site.yml's first run, mostly torch going into two venvs, ~4 min; its re-run
-1.2 min) and up to 40 min under load. It runs with SHARDSTACK_E2E=1 (`make e2e`, a step of `make test`); a plain
+Takes ~7–9 min on the idle 2-core host (site.yml's first run, mostly torch going into two venvs, ~3 min; its
+re-run under a minute) and up to 40 min under load. It runs with SHARDSTACK_E2E=1 (`make e2e`, a step of `make test`); a plain
 `pytest` skips it so the unit run stays short.
 """
 
