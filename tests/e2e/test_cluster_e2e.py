@@ -6,8 +6,8 @@ export, the inference tier serving the trained model through HAProxy; one backen
 rolling upgrade under load, each with zero failed client requests.
 
 Takes ~7–9 min on the idle 2-core host (site.yml's first run, mostly torch going into two venvs, ~3 min; its
-re-run under a minute) and up to 40 min under load. It runs with SHARDSTACK_E2E=1 (`make e2e`, a step of `make test`); a plain
-`pytest` skips it so the unit run stays short.
+re-run under a minute) and up to 40 min under load. It runs with SHARDSTACK_E2E=1 (`make e2e`, a step of
+`make test`); a plain `pytest` skips it so the unit run stays short.
 """
 
 from __future__ import annotations
