@@ -106,11 +106,11 @@ def export_current(inventory: Path, checkpoint_dir: str, name: str, *, shared_di
     return ExportResult(head, out, f"{models}/current", (res.stdout + res.stderr).strip())
 
 
-def load_token(inventory: Path, inv: dict[str, Any] | None = None) -> str | None:
+def load_token(inventory: Path) -> str | None:
     """The bearer token the inference nodes expect, found as the inference_service role finds it: the inventory's
     `inference_service_token`, else the file at `inference_service_token_store` (the inventory's value, else the
     role's default), where the role keeps the token it generated. None when there is none yet."""
-    inv = inv or inventory_hosts(inventory)
+    inv = inventory_hosts(inventory)
     nodes = inv["groups"].get("inference_nodes") or []
     hostvars = inv["hostvars"].get(nodes[0], {}) if nodes else {}
     if hostvars.get("inference_service_token"):
