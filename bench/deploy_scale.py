@@ -18,8 +18,8 @@ import tempfile
 import time
 from pathlib import Path
 
+from shardstack.cli.output import Progress
 from shardstack.lab import lab
-from shardstack.lab.progress import Progress
 from shardstack.ops.runner import project_dir, run_playbook
 from shardstack.ops.wheelhouse import build
 

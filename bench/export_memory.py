@@ -21,8 +21,8 @@ SAVE = textwrap.dedent("""
     import sys, warnings
     from types import SimpleNamespace
     import torch
-    from shardstack.checkpoint import Checkpointer
-    from shardstack.model import GPT, GPTConfig, PRESETS
+    from shardstack.train.checkpoint.checkpointer import Checkpointer
+    from shardstack.model.gpt import GPT, GPTConfig, PRESETS
     warnings.simplefilter("ignore")
     config = GPTConfig(**PRESETS[sys.argv[2]])
     torch.manual_seed(0)
@@ -36,7 +36,8 @@ SAVE = textwrap.dedent("""
 
 EXPORT = textwrap.dedent("""
     import json, sys, warnings
-    from shardstack.export import export_checkpoint, tune_allocator
+    from shardstack.train.export import export_checkpoint
+    from shardstack.train.memory.host import tune_allocator
     warnings.simplefilter("ignore")
     tune_allocator()  # as `shardstack export` does
     with open("/proc/self/clear_refs", "w") as f:
@@ -51,7 +52,7 @@ EXPORT = textwrap.dedent("""
 
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--preset", default="gpt2-124m", help="a key of shardstack.model.PRESETS")
+    p.add_argument("--preset", default="gpt2-124m", help="a key of shardstack.model.gpt.PRESETS")
     p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
     args = p.parse_args()
     with tempfile.TemporaryDirectory(prefix="shardstack-export-bench-") as tmp:

@@ -34,9 +34,9 @@ def _variants(args):
 
 
 def run_variant(name: str, stage: int | None, args, info, mcfg) -> dict:
-    from shardstack.config import EngineConfig, OptimizerConfig
-    from shardstack.engine import build_engine
-    from shardstack.model import GPT
+    from shardstack.model.gpt import GPT
+    from shardstack.train.config import EngineConfig, OptimizerConfig
+    from shardstack.train.engine import build_engine
 
     torch.manual_seed(0)
     with torch.device(info.device):
@@ -109,8 +109,8 @@ def main() -> int:
               f"torch {torch.__version__}); nothing was measured.", file=sys.stderr)
         return 2
 
-    from shardstack.dist import init_distributed, shutdown
-    from shardstack.model import GPTConfig
+    from shardstack.model.gpt import GPTConfig
+    from shardstack.train.dist import init_distributed, shutdown
 
     info = init_distributed("cpu" if args.smoke_cpu else "cuda")
     mcfg = GPTConfig(n_layer=2, n_head=2, d_model=64, seq_len=32) if args.smoke_cpu else \

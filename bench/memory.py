@@ -18,17 +18,17 @@ from _launch import machine, relaunch, under_torchrun
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--world-size", type=int, default=2)
-    ap.add_argument("--model", default="small", help="a preset of shardstack.model.PRESETS")
+    ap.add_argument("--model", default="small", help="a preset of shardstack.model.gpt.PRESETS")
     ap.add_argument("--micro-batch", type=int, default=2)
     args = ap.parse_args()
     if not under_torchrun():
         return relaunch(args.world_size, sys.argv[1:])
 
-    from shardstack.config import EngineConfig, OptimizerConfig
-    from shardstack.dist import init_distributed, shutdown
-    from shardstack.engine import build_engine
-    from shardstack.estimate import estimate_stage
-    from shardstack.model import GPT, PRESETS, GPTConfig
+    from shardstack.model.gpt import GPT, PRESETS, GPTConfig
+    from shardstack.train.config import EngineConfig, OptimizerConfig
+    from shardstack.train.dist import init_distributed, shutdown
+    from shardstack.train.engine import build_engine
+    from shardstack.train.memory.estimate import estimate_stage
 
     info = init_distributed("cpu")
     mcfg = GPTConfig(**PRESETS[args.model])

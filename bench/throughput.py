@@ -27,10 +27,10 @@ def main() -> int:
     if not under_torchrun():
         return relaunch(args.world_size, sys.argv[1:])
 
-    from shardstack.config import EngineConfig, OptimizerConfig
-    from shardstack.dist import init_distributed, shutdown
-    from shardstack.engine import build_engine
-    from shardstack.model import GPT, PRESETS, GPTConfig
+    from shardstack.model.gpt import GPT, PRESETS, GPTConfig
+    from shardstack.train.config import EngineConfig, OptimizerConfig
+    from shardstack.train.dist import init_distributed, shutdown
+    from shardstack.train.engine import build_engine
 
     info = init_distributed("cpu")
     mcfg = GPTConfig(**PRESETS[args.model])

@@ -51,9 +51,9 @@ def _tensor_bytes(ts) -> int:
 def worker(args) -> None:
     import torch
     import torch.distributed as dist
-    from shardstack.data import Batches, GlobalSampler, TokenDataset
-    from shardstack.engine import optimizer_param_groups
-    from shardstack.model import GPT, PRESETS, GPTConfig
+    from shardstack.model.gpt import GPT, PRESETS, GPTConfig
+    from shardstack.train.data import Batches, GlobalSampler, TokenDataset
+    from shardstack.train.optim import optimizer_param_groups
 
     torch.set_num_threads(1)
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
@@ -65,9 +65,9 @@ def worker(args) -> None:
     losses = []
 
     if args.mode == "shardstack":
-        from shardstack.config import EngineConfig, OptimizerConfig
-        from shardstack.dist import init_distributed
-        from shardstack.engine import build_engine
+        from shardstack.train.config import EngineConfig, OptimizerConfig
+        from shardstack.train.dist import init_distributed
+        from shardstack.train.engine import build_engine
 
         info = init_distributed("cpu")
         rss0 = _rss()
@@ -187,7 +187,7 @@ def main() -> int:
               file=sys.stderr)
         return 2
     ds_version, torch_version = check.stdout.split()[-2:]
-    from shardstack.data import prepare
+    from shardstack.train.data import prepare
 
     with tempfile.TemporaryDirectory() as tmp:
         prepare(None, tmp)

@@ -12,8 +12,8 @@ from types import SimpleNamespace
 
 import pytest
 import torch
-from shardstack.checkpoint import Checkpointer
-from shardstack.model import GPT, GPTConfig
+from shardstack.model.gpt import GPT, GPTConfig
+from shardstack.train.checkpoint.checkpointer import Checkpointer
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 from torch.distributed.checkpoint.stateful import Stateful
 

@@ -15,9 +15,9 @@ from types import SimpleNamespace
 
 import torch
 import torch.distributed as dist
-from shardstack.checkpoint import Checkpointer
-from shardstack.dist import leave_worker
-from shardstack.model import GPT, GPTConfig
+from shardstack.model.gpt import GPT, GPTConfig
+from shardstack.train.checkpoint.checkpointer import Checkpointer
+from shardstack.train.dist import leave_worker
 from torch.distributed.checkpoint.state_dict import (
     StateDictOptions,
     get_model_state_dict,

@@ -10,8 +10,8 @@ from pathlib import Path
 
 import pytest
 import torch
-from shardstack.checkpoint import MANIFEST, list_checkpoints, resolve_checkpoint, verify_checkpoint
 from shardstack.errors import ShardstackError
+from shardstack.train.checkpoint.layout import MANIFEST, list_checkpoints, resolve_checkpoint, verify_checkpoint
 
 from .conftest import AppState, make_checkpointer
 
@@ -168,7 +168,7 @@ def test_async_save_commits_in_the_background_and_finish_waits(tmp_path: Path) -
 def test_disabled_without_a_directory(tmp_path: Path, app: AppState) -> None:
     ckpt = make_checkpointer(tmp_path)
     ckpt.cfg.dir = None
-    from shardstack.checkpoint import Checkpointer
+    from shardstack.train.checkpoint.checkpointer import Checkpointer
 
     off = Checkpointer(ckpt.cfg, config_hash="x")
     assert off.resume(app) == 0 and off.maybe_save(2, app) is False

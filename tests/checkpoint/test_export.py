@@ -11,10 +11,11 @@ from pathlib import Path
 import pytest
 import torch
 from safetensors import safe_open
-from shardstack.checkpoint import list_checkpoints, verify_checkpoint
 from shardstack.cli import main as cli
 from shardstack.errors import ShardstackError
-from shardstack.export import export_checkpoint, load_model
+from shardstack.model.artifact import load_model
+from shardstack.train.checkpoint.layout import list_checkpoints, verify_checkpoint
+from shardstack.train.export import export_checkpoint
 
 from .conftest import HERE, REPO, TINY, AppState, make_checkpointer, torchrun
 
@@ -85,7 +86,8 @@ def test_export_refuses_a_damaged_checkpoint(saved: tuple[Path, AppState], tmp_p
 
 PEAK_SCRIPT = textwrap.dedent("""
     import json, sys
-    from shardstack.export import export_checkpoint, tune_allocator
+    from shardstack.train.export import export_checkpoint
+    from shardstack.train.memory.host import tune_allocator
     tune_allocator()  # as `shardstack export` does
     with open("/proc/self/clear_refs", "w") as f:
         f.write("5")  # reset the peak-RSS mark (VmHWM) to the current RSS: the baseline after imports
@@ -99,8 +101,8 @@ SAVE_SCRIPT = textwrap.dedent("""
     import sys
     from types import SimpleNamespace
     import torch
-    from shardstack.checkpoint import Checkpointer
-    from shardstack.model import GPT, GPTConfig
+    from shardstack.train.checkpoint.checkpointer import Checkpointer
+    from shardstack.model.gpt import GPT, GPTConfig
     config = GPTConfig(n_layer=8, n_head=8, d_model=512, seq_len=64)
     torch.manual_seed(0)
     model = GPT(config)

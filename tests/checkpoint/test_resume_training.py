@@ -20,7 +20,7 @@ from pathlib import Path
 
 import pytest
 import yaml
-from shardstack.checkpoint import list_checkpoints, resolve_checkpoint, verify_checkpoint
+from shardstack.train.checkpoint.layout import list_checkpoints, resolve_checkpoint, verify_checkpoint
 
 from .conftest import HERE, start_group, stop_group, torchrun
 
@@ -33,7 +33,7 @@ ENTRY = str(HERE / "train_entry.py")
 
 @pytest.fixture(scope="module")
 def data_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    from shardstack.data import prepare
+    from shardstack.train.data import prepare
 
     out = tmp_path_factory.mktemp("data")
     prepare(None, out)  # the corpus shipped with shardstack

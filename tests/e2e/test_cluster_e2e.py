@@ -23,11 +23,11 @@ from collections import Counter
 from pathlib import Path
 
 import pytest
+from shardstack.cli.output import Progress
 from shardstack.lab import lab
-from shardstack.lab.progress import Progress
 from shardstack.ops import cluster, serve, train
-from shardstack.ops.cli import demo_job
 from shardstack.ops.runner import RunResult, project_dir, run_command, run_playbook
+from shardstack.ops.train import demo_job
 from shardstack.ops.wheelhouse import build as build_wheelhouse
 
 pytestmark = [

@@ -18,7 +18,7 @@ pytestmark = pytest.mark.lab
 
 
 def cli(*args: str, check: bool = True) -> subprocess.CompletedProcess[str]:
-    proc = subprocess.run([sys.executable, "-m", "shardstack.cli", *args], capture_output=True, text=True)
+    proc = subprocess.run([sys.executable, "-m", "shardstack", *args], capture_output=True, text=True)
     if check and proc.returncode != 0:
         raise AssertionError(f"shardstack {' '.join(args)} failed ({proc.returncode}):\n{proc.stdout}\n{proc.stderr}")
     return proc
@@ -41,7 +41,7 @@ def two_nodes(tmp_path: Path):
 
 
 def node_exec(name: str, node: str, script: str, timeout: float = 120) -> subprocess.CompletedProcess[str]:
-    return subprocess.run([sys.executable, "-m", "shardstack.cli", "lab", "exec", "--name", name, node, "--",
+    return subprocess.run([sys.executable, "-m", "shardstack", "lab", "exec", "--name", name, node, "--",
                            "sh", "-c", script], capture_output=True, text=True, timeout=timeout)
 
 
@@ -57,7 +57,7 @@ def test_two_nodes_talk_tcp_install_packages_and_leave_nothing(two_nodes) -> Non
 
     # A TCP listener on node 1, a client on node 2: traffic crosses the lab bridge.
     server = subprocess.Popen(
-        [sys.executable, "-m", "shardstack.cli", "lab", "exec", "--name", name, "1", "--", "python3", "-c",
+        [sys.executable, "-m", "shardstack", "lab", "exec", "--name", name, "1", "--", "python3", "-c",
          "import socket; s = socket.create_server(('0.0.0.0', 7001)); c, _ = s.accept(); c.sendall(b'pong ' + "
          "socket.gethostname().encode()); c.close()"],
         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)

@@ -29,7 +29,7 @@ JOBS = [j for j in yaml.safe_load((REPO / "roles/prometheus/defaults/main.yml").
 
 
 def cli(*args: str) -> subprocess.CompletedProcess[str]:
-    return subprocess.run([sys.executable, "-m", "shardstack.cli", *args], capture_output=True, text=True,
+    return subprocess.run([sys.executable, "-m", "shardstack", *args], capture_output=True, text=True,
                           timeout=300)
 
 

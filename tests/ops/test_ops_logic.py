@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 from shardstack.errors import ShardstackError
-from shardstack.ops.cli import demo_job, validate_findings
-from shardstack.ops.train import JobStatus, NodeJobState, check_job_name, parse_step_lines
+from shardstack.ops.train import JobStatus, NodeJobState, check_job_name, demo_job, parse_step_lines
+from shardstack.ops.validate import validate_findings
 
 
 def node(active: str, result: str = "success", step: int | None = None) -> NodeJobState:

@@ -1,4 +1,4 @@
-"""The systemd units the roles write: valid for systemd, hardened as DESIGN.md §6 says, and their ExecStart
+"""The systemd units the roles write: valid for systemd, hardened as docs/design.md says, and their ExecStart
 lines accepted by the real command-line parsers (torchrun's and shardstack's), so a renamed flag fails here."""
 
 from __future__ import annotations
@@ -47,7 +47,7 @@ def test_inference_unit_is_hardened_notify_and_non_root(inference_unit: str) -> 
     for key, want in {"NoNewPrivileges": "true", "ProtectSystem": "strict", "PrivateTmp": "true",
                       "ProtectHome": "true", "CapabilityBoundingSet": ""}.items():
         assert svc[key] == want, key
-    # DESIGN.md §6: these two break the GPU and PyTorch.
+    # docs/design.md (serving): these two break the GPU and PyTorch.
     assert "PrivateDevices" not in svc and "MemoryDenyWriteExecute" not in svc
     # SIGTERM drains for drain_seconds; systemd must wait longer than that before SIGKILL.
     assert int(svc["TimeoutStopSec"]) > 20

@@ -1,4 +1,4 @@
-"""Hardware gating (DESIGN.md §4): the decision each role takes from what its preflight found, and the reason it
+"""Hardware gating (docs/design.md): the decision each role takes from what its preflight found, and the reason it
 prints. The inputs are the registered results of the roles' own `find`/`slurp` tasks."""
 
 from __future__ import annotations

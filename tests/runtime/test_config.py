@@ -7,8 +7,9 @@ import sys
 
 import pytest
 from shardstack.cli import main
-from shardstack.config import config_from_dict, load_config, model_config_dict
 from shardstack.errors import ShardstackError
+from shardstack.model.factory import gpt_fields
+from shardstack.train.config import config_from_dict, load_config
 
 
 def test_defaults_round_trip():
@@ -22,7 +23,7 @@ def test_yaml_and_overrides(tmp_path):
     p.write_text("model: {size: tiny, d_model: 96, n_head: 3}\noptimizer: {lr: 3e-4}\nengine: {stage: 1}\n")
     cfg = load_config(p)
     assert cfg.optimizer.lr == pytest.approx(3e-4)  # YAML 1.1 reads 3e-4 as a string; accepted as a number
-    assert model_config_dict(cfg.model) == {"n_layer": 2, "n_head": 3, "d_model": 96, "seq_len": 64}
+    assert gpt_fields(cfg.model) == {"n_layer": 2, "n_head": 3, "d_model": 96, "seq_len": 64}
 
 
 @pytest.mark.parametrize(
@@ -85,7 +86,7 @@ def test_invalid_yaml_and_missing_file(tmp_path):
 def test_console_script_has_no_traceback(tmp_path):
     p = tmp_path / "job.yaml"
     p.write_text("batch: {global_batch: -1}\n")
-    proc = subprocess.run([sys.executable, "-m", "shardstack.cli", "train", "run", "--config", str(p)],
+    proc = subprocess.run([sys.executable, "-m", "shardstack", "train", "run", "--config", str(p)],
                           capture_output=True, text=True, timeout=120)
     assert proc.returncode == 2
     assert "Traceback" not in proc.stderr

@@ -7,8 +7,8 @@ import json
 import numpy as np
 import pytest
 import torch
-from shardstack.data import Batches, GlobalSampler, TokenDataset, prepare
 from shardstack.errors import ShardstackError
+from shardstack.train.data import Batches, GlobalSampler, TokenDataset, prepare
 
 
 def test_prepare_shipped_corpus(tmp_path):

@@ -6,8 +6,8 @@ import json
 
 import torch
 from shardstack.cli import main
-from shardstack.config import config_from_dict
-from shardstack.estimate import estimate, local_elements, zero_partition
+from shardstack.train.config import config_from_dict
+from shardstack.train.memory.estimate import estimate, local_elements, zero_partition
 
 
 def test_fsdp_chunking_rule():

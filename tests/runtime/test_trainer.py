@@ -14,16 +14,18 @@ from pathlib import Path
 
 import pytest
 import torch
-from shardstack import dist
-from shardstack.autobatch import divisors_desc, pick_cpu
-from shardstack.config import config_from_dict
-from shardstack.data import prepare
-from shardstack.engine import build_engine
 from shardstack.errors import ShardstackError
-from shardstack.estimate import estimate, estimate_stage
-from shardstack.metrics import TrainMetrics
-from shardstack.model import GPT, GPTConfig
-from shardstack.trainer import build_model, lr_lambda, train
+from shardstack.model.factory import build_model
+from shardstack.model.gpt import GPT, GPTConfig
+from shardstack.train import dist
+from shardstack.train.config import config_from_dict
+from shardstack.train.data import prepare
+from shardstack.train.engine import build_engine
+from shardstack.train.memory.autobatch import divisors_desc, pick_cpu
+from shardstack.train.memory.estimate import estimate, estimate_stage
+from shardstack.train.metrics import TrainMetrics
+from shardstack.train.optim import lr_lambda
+from shardstack.train.trainer import train
 
 TINY = {"size": "tiny", "n_layer": 2, "d_model": 64, "n_head": 2, "seq_len": 32}
 
@@ -137,7 +139,7 @@ def test_auto_micro_batch_on_cpu_fits_the_budget(world1):
 
 @pytest.mark.parametrize("under_torchrun", [True, False])
 def test_leave_worker_ends_only_a_torchrun_worker_and_flushes_first(under_torchrun):
-    code = ("import logging, sys\nfrom shardstack.dist import leave_worker\n"
+    code = ("import logging, sys\nfrom shardstack.train.dist import leave_worker\n"
             "logging.basicConfig(); logging.getLogger('t').warning('logged')\n"
             "sys.stdout.write('printed'); leave_worker(3); print(' and returned')")
     env = {k: v for k, v in os.environ.items() if k != "TORCHELASTIC_RUN_ID"}
@@ -165,7 +167,7 @@ def test_cli_under_torchrun_two_ranks(tmp_path, data_dir):
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore"}
     proc = subprocess.run(
         [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
-         "-m", "shardstack.cli", "train", "run", "--config", str(job), "--max-steps", "3"],
+         "-m", "shardstack", "train", "run", "--config", str(job), "--max-steps", "3"],
         env=env, capture_output=True, text=True, timeout=240,
     )
     assert proc.returncode == 0, proc.stderr[-3000:]

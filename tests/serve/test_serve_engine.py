@@ -10,10 +10,10 @@ from pathlib import Path
 
 import pytest
 import torch
-from shardstack.export import load_model
-from shardstack.model import KVCache
-from shardstack.serve.engine import Engine, Event, QueueFull, Sequence
+from shardstack.model.artifact import load_model
+from shardstack.model.kvcache import KVCache
 from shardstack.serve.sampling import SamplingParams
+from shardstack.serve.scheduler import Output, QueueFull, Scheduler, Sequence
 
 
 @pytest.fixture(scope="module")
@@ -23,8 +23,8 @@ def model(model_dir: Path):
 
 
 @pytest.fixture
-def engine(model) -> Iterator[Engine]:
-    eng = Engine(model, max_batch=4, max_queue=2, device="cpu", dtype=torch.float32)
+def engine(model) -> Iterator[Scheduler]:
+    eng = Scheduler(model, max_batch=4, max_queue=2, device="cpu", dtype=torch.float32)
     eng.start()
     yield eng
     eng.stop()
@@ -36,14 +36,14 @@ class Collector:
         self.finish: str | None = None
         self.done = threading.Event()
 
-    def __call__(self, ev: Event) -> None:
+    def __call__(self, ev: Output) -> None:
         self.data += ev.data
         if ev.finish_reason or ev.error:
             self.finish = ev.finish_reason
             self.done.set()
 
 
-def _wait_idle(engine: Engine, timeout: float = 10.0) -> None:
+def _wait_idle(engine: Scheduler, timeout: float = 10.0) -> None:
     deadline = time.monotonic() + timeout  # the loop retires finished requests right after their last step
     while engine.in_flight() and time.monotonic() < deadline:
         time.sleep(0.01)
@@ -54,7 +54,7 @@ PARAMS = [SamplingParams(temperature=0.0), SamplingParams(temperature=0.9, top_p
           SamplingParams(temperature=1.2, seed=11), SamplingParams(temperature=0.0)]
 
 
-def test_batched_generation_matches_one_at_a_time(engine: Engine) -> None:
+def test_batched_generation_matches_one_at_a_time(engine: Scheduler) -> None:
     alone = [engine.generate(list(p), 24, sp) for p, sp in zip(PROMPTS, PARAMS, strict=True)]
     steps_alone = engine.steps
     # All four at once, and arriving staggered so some join while others are mid-decode.
@@ -70,7 +70,7 @@ def test_batched_generation_matches_one_at_a_time(engine: Engine) -> None:
     assert engine.steps - steps_alone < 4 * 24  # the batch shared steps (~24-30), alone they took 96
 
 
-def test_more_requests_than_slots_reuse_slots_and_queue_is_bounded(engine: Engine) -> None:
+def test_more_requests_than_slots_reuse_slots_and_queue_is_bounded(engine: Scheduler) -> None:
     collectors = [Collector() for _ in range(6)]  # 4 slots + 2 queue places
     for i, c in enumerate(collectors):
         engine.submit(Sequence(list(b"slot %d" % i), 40 + i, SamplingParams(seed=i), [], c))
@@ -83,7 +83,7 @@ def test_more_requests_than_slots_reuse_slots_and_queue_is_bounded(engine: Engin
     assert engine.counts() == (0, 0)
 
 
-def test_stop_sequence_ends_generation_early(engine: Engine) -> None:
+def test_stop_sequence_ends_generation_early(engine: Scheduler) -> None:
     full, _ = engine.generate(list(b"stop here"), 32, SamplingParams(temperature=0.0))
     stop = full[10:12]
     cut = full.index(stop)
@@ -92,7 +92,7 @@ def test_stop_sequence_ends_generation_early(engine: Engine) -> None:
 
 
 def test_cancelled_request_frees_its_slot(model) -> None:
-    eng = Engine(model, max_batch=1, max_queue=0, device="cpu", dtype=torch.float32)
+    eng = Scheduler(model, max_batch=1, max_queue=0, device="cpu", dtype=torch.float32)
     eng.start()
     try:
         c = Collector()
@@ -108,7 +108,7 @@ def test_cancelled_request_frees_its_slot(model) -> None:
         eng.stop()
 
 
-def test_heartbeat_advances_while_idle(engine: Engine) -> None:
+def test_heartbeat_advances_while_idle(engine: Scheduler) -> None:
     before = engine.heartbeat
     time.sleep(engine.idle_tick * 2.5)
     assert engine.heartbeat > before and engine.heartbeat_age() < engine.idle_tick * 2
@@ -117,8 +117,8 @@ def test_heartbeat_advances_while_idle(engine: Engine) -> None:
 def test_half_precision_engine_generates(model_dir: Path) -> None:
     # The GPU default is bf16 weights and KV cache; the same code path runs (slowly) on CPU.
     half = load_model(model_dir, "cpu", torch.bfloat16)[0]
-    eng = Engine(half, max_batch=2, max_queue=0, device="cpu", dtype=torch.bfloat16)
-    assert eng.cache.k.dtype == torch.bfloat16
+    eng = Scheduler(half, max_batch=2, max_queue=0, device="cpu", dtype=torch.bfloat16)
+    assert eng.runner.cache.k.dtype == torch.bfloat16
     eng.start()
     try:
         data, finish = eng.generate(list(b"bf16"), 8, SamplingParams(temperature=0.0))

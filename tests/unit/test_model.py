@@ -2,7 +2,8 @@
 
 import pytest
 import torch
-from shardstack.model import GPT, PRESETS, GPTConfig, KVCache
+from shardstack.model.gpt import GPT, PRESETS, GPTConfig
+from shardstack.model.kvcache import KVCache
 
 
 @pytest.fixture

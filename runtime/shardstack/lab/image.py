@@ -16,7 +16,7 @@ import time
 from pathlib import Path
 
 from shardstack.errors import ShardstackError
-from shardstack.lab.progress import Progress
+from shardstack.lab.report import Reporter
 from shardstack.lab.state import cache_dir
 
 SUITE = "bookworm"
@@ -47,7 +47,7 @@ def image_path() -> Path:
     return cache_dir() / "images" / image_key()
 
 
-def ensure_image(progress: Progress) -> Path:
+def ensure_image(progress: Reporter) -> Path:
     """Return the cached image, building it first if needed (one builder at a time, others wait)."""
     target = image_path()
     target.parent.mkdir(parents=True, exist_ok=True)
@@ -60,7 +60,7 @@ def ensure_image(progress: Progress) -> Path:
     return target
 
 
-def _build(target: Path, progress: Progress) -> None:
+def _build(target: Path, progress: Reporter) -> None:
     tmp = target.with_name(target.name + ".building")
     shutil.rmtree(tmp, ignore_errors=True)
     log = target.with_name(target.name + ".log")

@@ -1,4 +1,4 @@
-"""The Ansible inventory of a lab: the same groups a real cluster has (DESIGN.md §2), on lab addresses."""
+"""The Ansible inventory of a lab: the same groups a real cluster has (docs/operations.md), on lab addresses."""
 
 from __future__ import annotations
 

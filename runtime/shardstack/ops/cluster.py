@@ -48,6 +48,18 @@ def inventory_hosts(inventory: Path) -> dict[str, Any]:
     return {"groups": groups, "hostvars": hostvars}
 
 
+REQUIRED_GROUPS = ("train_nodes", "inference_nodes", "loadbalancer")
+
+
+def check_inventory(inventory: Path) -> list[str]:
+    """Problems with the inventory's shape (empty = fine); the reachability check is the preflight playbook's."""
+    inv = inventory_hosts(inventory)
+    problems = [f"group {g} has no hosts" for g in REQUIRED_GROUPS if not inv["groups"].get(g)]
+    if len(inv["groups"].get("loadbalancer", [])) > 1:
+        problems.append("more than one loadbalancer host: rollouts drain each, but clients need one address")
+    return problems
+
+
 def address(inv: dict[str, Any], host: str) -> str:
     return inv["hostvars"].get(host, {}).get("ansible_host", host)
 
@@ -79,14 +91,14 @@ def wait_job(name: str, inventory: Path, timeout: float, *, poll: float = 5.0,
 
 
 @dataclass
-class ExportResult:
+class ClusterExport:
     host: str
     out_dir: str
     current: str
     output: str
 
 
-def export_current(inventory: Path, checkpoint_dir: str, name: str, *, shared_dir: str = SHARED_DIR) -> ExportResult:
+def export_current(inventory: Path, checkpoint_dir: str, name: str, *, shared_dir: str = SHARED_DIR) -> ClusterExport:
     """Export the newest valid checkpoint to <shared>/exports/<name> and point <shared>/exports/current at it.
 
     The switch is a symlink rename, so an inference node (re)starting at any moment sees either the old or the
@@ -103,7 +115,7 @@ def export_current(inventory: Path, checkpoint_dir: str, name: str, *, shared_di
     res = run_command(["runuser", "-u", SERVICE_USER, "--", "sh", "-c", script], inventory, head)[head]
     if not res.success:
         raise ShardstackError(f"export on {head} failed: {(res.stderr or res.stdout or res.message or '')[-800:]}")
-    return ExportResult(head, out, f"{models}/current", (res.stdout + res.stderr).strip())
+    return ClusterExport(head, out, f"{models}/current", (res.stdout + res.stderr).strip())
 
 
 def load_token(inventory: Path) -> str | None:

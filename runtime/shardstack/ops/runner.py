@@ -79,7 +79,7 @@ class RunResult:
         return d
 
 
-Event = dict[str, Any]
+RunnerEvent = dict[str, Any]  # one ansible-runner event, as its event_handler receives it
 
 
 KEEP_RUNS = 20  # run directories kept under each parent (artifacts/runs, artifacts/adhoc)
@@ -114,7 +114,7 @@ def run_playbook(
     limit: str | None = None,
     check: bool = False,
     extravars: dict[str, Any] | None = None,
-    on_event: Callable[[Event], None] | None = None,
+    on_event: Callable[[RunnerEvent], None] | None = None,
     artifacts: Path | None = None,
 ) -> RunResult:
     import ansible_runner  # deferred: the runtime commands must not need the ops extra
@@ -134,7 +134,7 @@ def run_playbook(
     hosts: dict[str, HostResult] = {}
     published: dict[str, Any] = {}
 
-    def handle(event: Event) -> bool:
+    def handle(event: RunnerEvent) -> bool:
         data = event.get("event_data", {})
         host = data.get("host")
         if event.get("event") == "playbook_on_stats":
@@ -214,7 +214,7 @@ def run_command(
     artifacts = _private_dir(artifacts or root / "artifacts" / "adhoc")
     results: dict[str, CommandResult] = {}
 
-    def handle(event: Event) -> bool:
+    def handle(event: RunnerEvent) -> bool:
         kind, data = event.get("event"), event.get("event_data", {})
         host, res = data.get("host"), data.get("res") or {}
         if kind in ("runner_on_ok", "runner_on_failed"):

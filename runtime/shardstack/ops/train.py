@@ -7,10 +7,8 @@ node); status, stop and logs are ad-hoc commands on the train nodes through ansi
 
 from __future__ import annotations
 
-import argparse
 import json
 import re
-import sys
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
@@ -34,7 +32,7 @@ def check_job_name(name: str) -> str:
 
 def load_job(path: Path) -> dict[str, Any]:
     """Validate the job config here, before any node sees it; return it normalised (every key explicit)."""
-    from shardstack.config import load_config
+    from shardstack.train.config import load_config  # torch: only for the commands that take a job config
 
     if not path.is_file():
         raise ShardstackError(f"job config {path} does not exist")
@@ -136,102 +134,19 @@ def logs(name: str, inventory: Path, lines: int = 50, pattern: str = TRAIN_GROUP
     return {h: r.stdout if r.success else f"({r.message or r.stderr})" for h, r in res.items()}
 
 
-# -- CLI ---------------------------------------------------------------------------------------------------------
+def demo_job(steps: int, shared_dir: str, name: str = "demo") -> dict[str, Any]:
+    """The demo's job (also the e2e's): a tiny GPT, ZeRO stage 3 (FSDP2) across 2 nodes on CPU, the shipped
+    corpus."""
+    from shardstack.train.config import config_from_dict
 
-def _subparsers(parser: argparse.ArgumentParser, dest: str) -> argparse._SubParsersAction:
-    """The parser's sub-command action, created if the runtime's `train` parser did not make one."""
-    for action in parser._actions:
-        if isinstance(action, argparse._SubParsersAction):
-            return action
-    return parser.add_subparsers(dest=dest, metavar="ACTION", required=True)
-
-
-def register(sub: argparse._SubParsersAction) -> None:
-    from shardstack.ops.cli import DEFAULT_INVENTORY
-
-    train = sub.choices.get("train") or sub.add_parser("train", help="training jobs")
-    actions = _subparsers(train, "train_command")
-
-    def common(p: argparse.ArgumentParser) -> None:
-        p.add_argument("-i", "--inventory", type=Path, default=DEFAULT_INVENTORY,
-                       help=f"inventory (default {DEFAULT_INVENTORY})")
-        p.add_argument("--json", action="store_true", help="print the result as JSON on stdout")
-
-    p = actions.add_parser("submit", help="start a job on the train nodes as shardstack-train@<job> (systemd)")
-    p.add_argument("--config", type=Path, required=True, help="job.yaml (validated here first)")
-    p.add_argument("--name", help="job name (default: the config file's stem)")
-    p.add_argument("--nodes", type=int, default=None, help="use only the first N train nodes")
-    common(p)
-    p.set_defaults(func=_submit)
-
-    p = actions.add_parser("status", help="per-node unit state and the newest logged step")
-    p.add_argument("name")
-    common(p)
-    p.set_defaults(func=_status)
-
-    p = actions.add_parser("stop", help="stop the job on every train node (torchrun stops its workers)")
-    p.add_argument("name")
-    common(p)
-    p.set_defaults(func=_stop)
-
-    p = actions.add_parser("logs", help="the job's journal from every train node")
-    p.add_argument("name")
-    p.add_argument("-n", "--lines", type=int, default=50)
-    common(p)
-    p.set_defaults(func=_logs)
-
-
-def _submit(args: argparse.Namespace) -> int:
-    from shardstack.ops.cli import EXIT_FAILED_HOSTS, EXIT_OK, LiveProgress, console, summary_table
-
-    name = check_job_name(args.name or args.config.stem.lower().replace(".", "-"))
-    config = load_job(args.config)
-    result = submit(config, name, args.inventory, nodes=args.nodes, on_event=None if args.json else LiveProgress())
-    if args.json:
-        print(json.dumps({"job": name, **result.to_dict()}, indent=2))
-    else:
-        console.print(summary_table(result, f"train submit {name}"))
-        if result.success:
-            console.print(f"follow it: shardstack train status {name}; shardstack train logs {name}")
-    return EXIT_OK if result.success else EXIT_FAILED_HOSTS
-
-
-def _status(args: argparse.Namespace) -> int:
-    from rich.table import Table
-
-    from shardstack.ops.cli import console
-
-    st = status(args.name, args.inventory)
-    if args.json:
-        print(json.dumps(st.to_dict(), indent=2))
-        return 0 if st.state != "failed" else 1
-    last = st.last_step
-    table = Table(title=f"job {st.job}: {st.state}" + (f", step {last['step']} loss {last['loss']}" if last else ""))
-    for col in ("host", "state", "result", "agent restarts", "since", "last step"):
-        table.add_column(col)
-    for n in st.nodes:
-        table.add_row(n.host, f"{n.active}/{n.sub}", n.result, str(n.restarts), n.since,
-                      str(n.last_step["step"]) if n.last_step else (n.error or ""))
-    console.print(table)
-    return 0 if st.state != "failed" else 1
-
-
-def _stop(args: argparse.Namespace) -> int:
-    done = stop(args.name, args.inventory)
-    if args.json:
-        print(json.dumps(done, indent=2))
-    else:
-        for host, ok in done.items():
-            print(f"{host}: {'stopped' if ok else 'FAILED to stop'}")
-    return 0 if done and all(done.values()) else 1
-
-
-def _logs(args: argparse.Namespace) -> int:
-    out = logs(args.name, args.inventory, args.lines)
-    if args.json:
-        print(json.dumps(out, indent=2))
-        return 0
-    for host, text in out.items():
-        for line in text.splitlines():
-            sys.stdout.write(f"{host} | {line}\n")
-    return 0
+    cfg = {
+        "model": {"size": "tiny"},
+        "data": {"path": f"{shared_dir}/data/corpus"},
+        "engine": {"stage": 3, "device": "auto"},
+        "optimizer": {"lr": 3e-3},
+        "schedule": {"warmup_steps": min(20, steps // 10), "total_steps": steps},
+        "batch": {"global_batch": 8, "micro_batch": 4},
+        "checkpoint": {"dir": f"{shared_dir}/checkpoints/{name}", "interval": max(10, steps // 6), "keep": 2},
+        "metrics": {"port": 9400, "log_every": 10},
+    }
+    return config_from_dict(cfg).to_dict()

@@ -1,4 +1,4 @@
-"""Build the wheelhouse the nodes install shardstack from, offline (the air-gap path of DESIGN.md §3).
+"""Build the wheelhouse the nodes install shardstack from, offline (the air-gap path: docs/operations.md).
 
 The controller builds it once per source state into a cache outside the clone:
 
@@ -13,7 +13,6 @@ the same between deploys and a re-run of site.yml changes nothing.
 
 from __future__ import annotations
 
-import argparse
 import hashlib
 import json
 import os
@@ -200,22 +199,3 @@ def prune(cache: Path | None = None, keep: int = 3) -> list[Path]:
     for old in houses[keep:]:
         shutil.rmtree(old, ignore_errors=True)
     return houses[keep:]
-
-
-def register(sub: argparse._SubParsersAction) -> None:
-    p = sub.add_parser("wheelhouse", help="build the offline wheelhouse the nodes install shardstack from")
-    p.add_argument("--cache", type=Path, default=None, help="cache directory (default $SHARDSTACK_CACHE/wheelhouse)")
-    p.add_argument("--json", action="store_true", help="print the result as JSON")
-    p.set_defaults(func=_cli)
-
-
-def _cli(args: argparse.Namespace) -> int:
-    from shardstack.ops.runner import project_dir
-
-    wh = build(project_dir(), args.cache, log=lambda m: print(m, file=sys.stderr))
-    if args.json:
-        print(json.dumps(wh.to_dict(), indent=2))
-    else:
-        state = "built" if wh.built else "cached"
-        print(f"{wh.path}  ({state}, {wh.files} wheels, {wh.bytes / 2**20:.0f} MiB, {wh.seconds:.1f}s)")
-    return 0

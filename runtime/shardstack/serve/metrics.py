@@ -1,4 +1,4 @@
-"""Prometheus metrics of the inference service (names per DESIGN.md §6), on a registry owned by one app."""
+"""Prometheus metrics of the inference service (names in docs/monitoring.md), on a registry owned by one app."""
 
 from __future__ import annotations
 
@@ -6,13 +6,13 @@ from collections.abc import Callable
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
-from shardstack.serve.engine import EngineMetrics
+from shardstack.serve.scheduler import SchedulerMetrics
 
 _LATENCY_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
 _BATCH_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256)
 
 
-class ServeMetrics(EngineMetrics):
+class ServeMetrics(SchedulerMetrics):
     def __init__(self) -> None:
         self.registry = CollectorRegistry()
         r = self.registry
@@ -41,7 +41,7 @@ class ServeMetrics(EngineMetrics):
     def bind_heartbeat(self, wall_clock: Callable[[], float]) -> None:
         self.heartbeat.set_function(wall_clock)
 
-    # EngineMetrics hooks, called from the engine thread (prometheus_client is thread-safe).
+    # SchedulerMetrics hooks, called from the engine thread (prometheus_client is thread-safe).
     def queue_depth(self, running: int, waiting: int) -> None:
         self.running.set(running)
         self.waiting.set(waiting)

@@ -17,7 +17,8 @@ from types import FrameType
 
 import uvicorn
 
-from shardstack.serve.app import Service, create_app
+from shardstack.serve.app import create_app
+from shardstack.serve.lifecycle import Service
 
 log = logging.getLogger(__name__)
 

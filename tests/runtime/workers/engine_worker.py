@@ -12,11 +12,12 @@ from pathlib import Path
 
 import torch
 import torch.distributed.checkpoint as dcp
-from shardstack.config import EngineConfig, OptimizerConfig
-from shardstack.dist import init_distributed, leave_worker, shutdown
-from shardstack.engine import build_engine, optimizer_param_groups
-from shardstack.estimate import estimate_stage
-from shardstack.model import GPT, GPTConfig
+from shardstack.model.gpt import GPT, GPTConfig
+from shardstack.train.config import EngineConfig, OptimizerConfig
+from shardstack.train.dist import init_distributed, leave_worker, shutdown
+from shardstack.train.engine import build_engine
+from shardstack.train.memory.estimate import estimate_stage
+from shardstack.train.optim import optimizer_param_groups
 from torch.distributed.tensor import DTensor
 
 MODEL = GPTConfig(n_layer=2, n_head=3, d_model=36, seq_len=15, vocab_size=256)  # pos_emb 15 rows: uneven shards

@@ -1,6 +1,6 @@
 """A user model plugged in through `model.factory: user_model:make` (the test puts this directory on sys.path)."""
 
-from shardstack.model import GPT, GPTConfig
+from shardstack.model.gpt import GPT, GPTConfig
 from torch import nn
 
 

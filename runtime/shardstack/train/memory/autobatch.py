@@ -15,9 +15,10 @@ import os
 import torch
 import torch.distributed as dist
 
-from shardstack.config import JobConfig
-from shardstack.engine import Engine
-from shardstack.estimate import estimate_stage
+from shardstack.errors import ShardstackError
+from shardstack.train.config import JobConfig
+from shardstack.train.engine import Engine
+from shardstack.train.memory.estimate import estimate_stage
 
 log = logging.getLogger("shardstack.autobatch")
 
@@ -51,8 +52,6 @@ def pick_cpu(cfg: JobConfig, engine: Engine, per_rank: int, seq_len: int, budget
 
 
 def raise_no_fit(budget: int) -> None:
-    from shardstack.errors import ShardstackError
-
     raise ShardstackError(f"not even micro_batch 1 fits the memory budget ({budget / 2**20:.0f} MiB per rank)",
                           hint="raise batch.cpu_memory_budget_mb, use a higher engine.stage, or a smaller model")
 

@@ -20,24 +20,8 @@ from typing import Any, Literal
 import yaml
 
 from shardstack.errors import ShardstackError
-
-
-@dataclass
-class ModelConfig:
-    size: str = "small"  # a key of shardstack.model.PRESETS; the fields below override it
-    n_layer: int | None = None
-    n_head: int | None = None
-    d_model: int | None = None
-    seq_len: int | None = None
-    mlp_ratio: int | None = None
-    vocab_size: int | None = None
-    dropout: float | None = None
-    bias: bool | None = None
-    tie_embeddings: bool | None = None
-    # A user model instead of the built-in GPT: "package.module:factory", called as factory(**factory_kwargs).
-    # It must return an nn.Module whose forward(idx, targets) returns the mean loss and with `blocks` (its shard units).
-    factory: str | None = None
-    factory_kwargs: dict[str, Any] = field(default_factory=dict)
+from shardstack.model.factory import ModelConfig
+from shardstack.model.gpt import PRESETS
 
 
 @dataclass
@@ -243,8 +227,6 @@ def _build(cls: type, data: Any, prefix: str) -> Any:
 
 
 def _cross_checks(cfg: JobConfig) -> None:
-    from shardstack.model import PRESETS
-
     if cfg.model.factory is None and cfg.model.size not in PRESETS:
         close = difflib.get_close_matches(cfg.model.size, list(PRESETS), n=1)
         raise ShardstackError(
@@ -287,16 +269,3 @@ def load_config(path: str | Path) -> JobConfig:
         where = f" at line {mark.line + 1}, column {mark.column + 1}" if mark else ""
         raise ShardstackError(f"{path} is not valid YAML{where}") from None
     return config_from_dict(data)
-
-
-def model_config_dict(cfg: ModelConfig) -> dict[str, Any]:
-    """The GPTConfig fields for `cfg`: the preset's values with the explicit overrides applied."""
-    from shardstack.model import PRESETS
-
-    out: dict[str, Any] = dict(PRESETS[cfg.size])
-    for name in ("n_layer", "n_head", "d_model", "seq_len", "mlp_ratio", "vocab_size", "dropout", "bias",
-                 "tie_embeddings"):
-        value = getattr(cfg, name)
-        if value is not None:
-            out[name] = value
-    return out

@@ -1,4 +1,4 @@
-"""`shardstack checkpoint ls|verify DIR` and `shardstack export --checkpoint DIR --out DIR`."""
+"""`shardstack checkpoint ls|verify DIR` and `shardstack export --checkpoint DIR --out DIR` (docs/checkpoints.md)."""
 
 from __future__ import annotations
 
@@ -32,7 +32,7 @@ def register(sub: argparse._SubParsersAction) -> None:
 
 
 def _infos(root: Path, *, checksums: bool):
-    from shardstack.checkpoint import MANIFEST, is_step_dir, list_checkpoints, verify_checkpoint
+    from shardstack.train.checkpoint.layout import MANIFEST, is_step_dir, list_checkpoints, verify_checkpoint
 
     if not root.is_dir():
         raise ShardstackError(f"{root} is not a directory")
@@ -88,7 +88,8 @@ def _verify(args: argparse.Namespace) -> int:
 
 
 def _export(args: argparse.Namespace) -> int:
-    from shardstack.export import export_checkpoint, tune_allocator
+    from shardstack.train.export import export_checkpoint
+    from shardstack.train.memory.host import tune_allocator
 
     tune_allocator()
     result = export_checkpoint(args.checkpoint, args.out, dtype=args.dtype, verify=not args.no_verify)

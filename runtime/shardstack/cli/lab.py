@@ -1,4 +1,4 @@
-"""`shardstack lab up|down|status|exec|list`."""
+"""`shardstack lab up|down|status|exec|list`: the local lab of systemd-nspawn nodes (docs/lab.md)."""
 
 from __future__ import annotations
 
@@ -6,12 +6,11 @@ import argparse
 import time
 from pathlib import Path
 
-from rich.console import Console
 from rich.table import Table
 
+from shardstack.cli.output import EXIT_FAILED_HOSTS, Progress, stdout
 from shardstack.errors import ShardstackError
 from shardstack.lab import lab, state
-from shardstack.lab.progress import Progress
 
 DEFAULT_NAME = "lab"
 
@@ -58,7 +57,7 @@ def _down(args: argparse.Namespace) -> int:
     lab.down(args.name, Progress())
     left = lab.leftovers(args.name)
     if left:
-        raise ShardstackError("teardown left things behind: " + ", ".join(left), exit_code=1)
+        raise ShardstackError("teardown left things behind: " + ", ".join(left), exit_code=EXIT_FAILED_HOSTS)
     return 0
 
 
@@ -74,7 +73,7 @@ def _status(args: argparse.Namespace) -> int:
     for n in info["nodes"]:
         table.add_row(n["name"], n["address"], n["state"], str(n["leader_pid"] or "-"),
                       f"{n['memory_bytes'] / 2**20:.0f} MiB", "yes" if n["ssh"] else "no")
-    Console().print(table)
+    stdout.print(table)
     return 0 if all(n["state"] in ("running", "degraded") for n in info["nodes"]) else 1
 
 

@@ -19,15 +19,17 @@ micro-batch are approximated as L·b·s·d·(34·e/2) for the blocks plus b·s·
 
 from __future__ import annotations
 
-import argparse
-import json
 import math
 from dataclasses import asdict, dataclass
 
 import torch
 from torch import nn
 
-from shardstack.config import EngineConfig, JobConfig
+from shardstack.model.dtypes import to_dtype
+from shardstack.model.factory import build_model
+from shardstack.train.config import EngineConfig, JobConfig
+from shardstack.train.optim import optimizer_param_groups
+from shardstack.train.parallelize import shard_units
 
 FP32 = 4
 
@@ -86,12 +88,10 @@ def activation_bytes(model: nn.Module, micro_batch: int, seq_len: int, compute_b
 
 def estimate_stage(model: nn.Module, engine: EngineConfig, stage: int, world: int, rank: int, *,
                    weight_decay: float, micro_batch: int, seq_len: int, accumulation: int = 1) -> StageEstimate:
-    from shardstack.engine import DTYPES, optimizer_param_groups, shard_units
-
     params = [p for p in model.parameters() if p.requires_grad]
     n_elem = sum(p.numel() for p in params)
     n_tensors = len(params)
-    compute_bytes = torch.empty((), dtype=DTYPES[engine.precision]).element_size()
+    compute_bytes = torch.empty((), dtype=to_dtype(engine.precision)).element_size()
     units = shard_units(model)
     root_elem = n_elem - sum(p.numel() for u in units for p in u.parameters())
     accumulation_grads = 0
@@ -127,8 +127,6 @@ def estimate_stage(model: nn.Module, engine: EngineConfig, stage: int, world: in
 def estimate(cfg: JobConfig, world: int, *, stages: list[int] | None = None, rank: int | None = None,
              micro_batch: int | None = None) -> list[StageEstimate]:
     """One estimate per stage; `rank=None` reports the rank that holds the most (ranks differ only by rounding)."""
-    from shardstack.trainer import build_model
-
     with torch.device("meta"):
         model = build_model(cfg.model)
     seq_len = model.config.seq_len if hasattr(model, "config") else 0
@@ -143,45 +141,3 @@ def estimate(cfg: JobConfig, world: int, *, stages: list[int] | None = None, ran
                                    micro_batch=mb, seq_len=seq_len, accumulation=accum) for r in ranks]
         out.append(max(per_rank, key=lambda e: e.total))
     return out
-
-
-def _fmt(n: int) -> str:
-    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
-        if abs(n) < 1024 or unit == "TiB":
-            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.2f} {unit}"
-        n /= 1024
-    raise AssertionError
-
-
-def register(sub: argparse._SubParsersAction) -> None:
-    p = sub.add_parser("estimate", help="predict per-rank memory for each ZeRO stage")
-    p.add_argument("--config", required=True, help="job.yaml")
-    p.add_argument("--world-size", type=int, default=None, help="data-parallel ranks (default: WORLD_SIZE or 1)")
-    p.add_argument("--stage", type=int, choices=[0, 1, 2, 3], action="append", help="only these stages")
-    p.add_argument("--json", action="store_true", help="one JSON object per stage")
-    p.set_defaults(func=_cmd_estimate)
-
-
-def _cmd_estimate(args: argparse.Namespace) -> int:
-    import os
-
-    from shardstack.config import load_config
-    from shardstack.errors import ShardstackError
-
-    cfg = load_config(args.config)
-    world = args.world_size or int(os.environ.get("WORLD_SIZE", 1))
-    if world < 1:
-        raise ShardstackError("--world-size must be ≥ 1")
-    results = estimate(cfg, world, stages=args.stage)
-    if args.json:
-        for r in results:
-            print(json.dumps(asdict(r)))
-        return 0
-    print(f"per-rank memory, world size {world}, precision {cfg.engine.precision}, offload {cfg.engine.offload}, "
-          f"micro-batch {results[0].micro_batch} (formulas: docs/runtime.md)")
-    print(f"{'stage':>5} {'params':>11} {'grads':>11} {'optimizer':>11} {'= state':>11} {'working':>11} "
-          f"{'activations':>11} {'peak':>11}")
-    for r in results:
-        print(f"{r.stage:>5} {_fmt(r.params):>11} {_fmt(r.grads):>11} {_fmt(r.optimizer):>11} {_fmt(r.total):>11} "
-              f"{_fmt(r.working_params + r.accumulation_grads):>11} {_fmt(r.activations):>11} {_fmt(r.peak):>11}")
-    return 0

@@ -1,14 +1,20 @@
-"""Training metrics: Prometheus gauges served by rank 0, and the peak FLOP/s that MFU is measured against."""
+"""Training metrics: one processor that reports every finished step (a JSON line, a log line, Prometheus gauges
+served by rank 0, MFU against a stated peak FLOP/s)."""
 
 from __future__ import annotations
 
+import json
 import logging
+import resource
+import sys
 import time
+from typing import IO, Any
 
 import torch
 from prometheus_client import CollectorRegistry, Gauge, start_http_server
 
 from shardstack.errors import ShardstackError
+from shardstack.train.config import MetricsConfig
 
 log = logging.getLogger("shardstack.metrics")
 
@@ -51,7 +57,8 @@ def peak_tflops(device: torch.device, configured: float | None) -> tuple[float, 
 
 
 class TrainMetrics:
-    """The gauges of DESIGN.md §5 on their own registry (so tests can run several trainers in one process)."""
+    """The training gauges (docs/monitoring.md) on their own registry, so tests can run several trainers in one
+    process."""
 
     def __init__(self, port: int | None, addr: str = "0.0.0.0") -> None:
         self.registry = CollectorRegistry()
@@ -90,3 +97,54 @@ class TrainMetrics:
             self._server.shutdown()
             self._server.server_close()
             self._server = None
+
+
+def resident_bytes(device: torch.device) -> int:
+    """Peak memory of this rank: allocated device memory on GPU, the process's peak RSS on CPU."""
+    if device.type == "cuda":
+        return torch.cuda.max_memory_allocated(device)
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+
+
+class MetricsProcessor:
+    """Everything a finished step reports, in one place: one JSON line on stdout (and `metrics.json_log`), a
+    progress line on the log, the Prometheus gauges and MFU = FLOPs/token × tokens/s ÷ (peak × world size).
+    Only rank 0 reports; on the other ranks `record` just returns the step's tokens/s."""
+
+    def __init__(self, cfg: MetricsConfig, *, is_main: bool, device: torch.device, world_size: int,
+                 tokens_per_step: int, flops_per_token: float, out: IO[str] | None = None) -> None:
+        self.cfg, self.is_main, self.device, self.world_size = cfg, is_main, device, world_size
+        self.tokens_per_step, self.flops_per_token = tokens_per_step, flops_per_token
+        self.out = out or sys.stdout
+        self.peak, self.peak_source = peak_tflops(device, cfg.peak_tflops) if is_main else (0.0, "")
+        self.gauges = TrainMetrics(cfg.port) if is_main and cfg.port else None
+        self.json_log = open(cfg.json_log, "a") if is_main and cfg.json_log else None  # noqa: SIM115
+
+    def record(self, *, step: int, end: int, loss: float, seconds: float, lr: float, grad_norm: float | None,
+               skipped: bool) -> float:
+        tps = self.tokens_per_step / seconds
+        if not self.is_main:
+            return tps
+        mfu = self.flops_per_token * tps / (self.peak * 1e12 * self.world_size)
+        if self.gauges:
+            self.gauges.update(step=step, loss=loss, step_seconds=seconds, tokens_per_second=tps, mfu=mfu)
+        if step % self.cfg.log_every == 0 or step == end:
+            rec: dict[str, Any] = {
+                "step": step, "loss": round(loss, 6), "lr": lr, "tokens_per_second": round(tps, 1),
+                "step_seconds": round(seconds, 4), "mfu": round(mfu, 5), "peak_tflops_per_device": round(self.peak, 3),
+                "grad_norm": None if grad_norm is None else round(grad_norm, 5), "skipped": skipped,
+                "memory_bytes": resident_bytes(self.device)}
+            line = json.dumps(rec)
+            print(line, file=self.out, flush=True)
+            if self.json_log:
+                self.json_log.write(line + "\n")
+                self.json_log.flush()
+            log.info("step %d/%d loss %.4f lr %.2e %.0f tok/s %.3fs/step MFU %.2f%%", step, end, loss, lr, tps,
+                     seconds, 100 * mfu)
+        return tps
+
+    def close(self) -> None:
+        if self.gauges:
+            self.gauges.close()
+        if self.json_log:
+            self.json_log.close()

@@ -1,4 +1,5 @@
-"""`shardstack serve --model DIR`: the inference service (see docs/serving.md)."""
+"""`shardstack serve --model DIR` (the inference service, docs/serving.md) and `shardstack serve rollout`
+(upgrade the cluster's inference nodes one at a time, docs/operations.md)."""
 
 from __future__ import annotations
 
@@ -9,7 +10,10 @@ import os
 from collections.abc import Callable
 from pathlib import Path
 
+from shardstack.cli.deploy import add_inventory_arg
+from shardstack.cli.output import EXIT_FAILED_HOSTS, EXIT_OK, LiveProgress, console, summary_table
 from shardstack.errors import ShardstackError
+from shardstack.model.artifact import check_model_dir
 
 log = logging.getLogger(__name__)
 
@@ -29,7 +33,8 @@ def _positive(kind: Callable[[str], float]) -> Callable[[str], float]:
 
 def register(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("serve", help="OpenAI-compatible inference service for an exported model")
-    p.add_argument("--model", type=Path, required=True, help="exported model dir (model.safetensors + config.json)")
+    # Not required: `serve rollout` needs none; `serve` itself checks for it.
+    p.add_argument("--model", type=Path, default=None, help="exported model dir (model.safetensors + config.json)")
     p.add_argument("--model-name", default=None, help="name clients pass as `model` (default: the dir's name)")
     p.add_argument("--host", default="127.0.0.1", help="bind address (default 127.0.0.1)")
     p.add_argument("--port", type=int, default=8000, help="port (default 8000)")
@@ -56,18 +61,12 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--access-log", action="store_true", help="log every request")
     p.set_defaults(func=run)
 
-
-def _check_model_dir(path: Path) -> None:
-    if not path.is_dir():
-        raise ShardstackError(f"model directory {path} does not exist",
-                              hint="point --model at the output of `shardstack export`")
-    for name in ("config.json", "model.safetensors"):
-        if not (path / name).is_file():
-            raise ShardstackError(f"{path} has no {name}", hint="point --model at the output of `shardstack export`")
-    try:
-        json.loads((path / "config.json").read_text())
-    except (OSError, ValueError) as exc:
-        raise ShardstackError(f"{path / 'config.json'} is unreadable: {exc}") from None
+    actions = p.add_subparsers(dest="serve_command", metavar="ACTION")
+    r = actions.add_parser("rollout", help="upgrade the inference nodes one at a time (drain, upgrade, healthy, next)")
+    add_inventory_arg(r)
+    r.add_argument("--limit", help="only these inference nodes")
+    r.add_argument("--json", action="store_true", help="print the result as JSON on stdout")
+    r.set_defaults(func=_rollout)
 
 
 def _read_token(path: Path) -> str:
@@ -81,7 +80,9 @@ def _read_token(path: Path) -> str:
 
 
 def run(args: argparse.Namespace) -> int:
-    _check_model_dir(args.model)
+    if args.model is None:
+        raise ShardstackError("`shardstack serve` needs --model DIR (or the action `rollout`)")
+    check_model_dir(args.model)
     if args.max_queue < 0:
         raise ShardstackError("--max-queue must be >= 0")
     token = _read_token(args.token_file) if args.token_file else None
@@ -90,8 +91,9 @@ def run(args: argparse.Namespace) -> int:
 
     import torch  # heavy: only once the arguments are known to be good
 
-    from shardstack.serve.app import ServeSettings, Service
+    from shardstack.serve.lifecycle import Service
     from shardstack.serve.server import serve
+    from shardstack.serve.settings import ServeSettings
 
     # Leave a core to the HTTP event loop: intra-op threads competing with it for every core cost more in
     # latency than they gain on the small per-step matmuls of decoding.
@@ -117,3 +119,14 @@ def run(args: argparse.Namespace) -> int:
     level = logging.getLogger().getEffectiveLevel()
     return serve(Service(settings), args.host, args.port, log_level=logging.getLevelName(level).lower(),
                  access_log=args.access_log)
+
+
+def _rollout(args: argparse.Namespace) -> int:
+    from shardstack.ops.serve import rollout
+
+    result = rollout(args.inventory, limit=args.limit, on_event=None if args.json else LiveProgress())
+    if args.json:
+        print(json.dumps(result.to_dict(), indent=2))
+    else:
+        console.print(summary_table(result, "serve rollout"))
+    return EXIT_OK if result.success else EXIT_FAILED_HOSTS

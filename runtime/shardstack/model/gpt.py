@@ -14,6 +14,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from shardstack.model.kvcache import KVCache, LayerCache
+
 BYTE_VOCAB = 256  # the default byte-level tokenizer: token id == byte value
 
 
@@ -51,16 +53,6 @@ PRESETS: dict[str, dict[str, int]] = {
 }
 
 
-class KVCache:
-    """Key/value buffers for `slots` sequences of up to `max_len` tokens each, one pair per layer."""
-
-    def __init__(self, config: GPTConfig, slots: int, max_len: int, *, dtype: torch.dtype, device) -> None:
-        shape = (config.n_layer, slots, config.n_head, max_len, config.head_dim)
-        self.k = torch.zeros(shape, dtype=dtype, device=device)
-        self.v = torch.zeros(shape, dtype=dtype, device=device)
-        self.max_len = max_len
-
-
 class CausalSelfAttention(nn.Module):
     def __init__(self, config: GPTConfig) -> None:
         super().__init__()
@@ -69,7 +61,7 @@ class CausalSelfAttention(nn.Module):
         self.proj = nn.Linear(config.d_model, config.d_model, bias=config.bias)
         self.dropout = config.dropout
 
-    def forward(self, x: torch.Tensor, cache: _LayerCache | None = None) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, cache: LayerCache | None = None) -> torch.Tensor:
         b, t, d = x.shape
         q, k, v = self.qkv(x).split(d, dim=2)
         q, k, v = (z.view(b, t, self.n_head, self.head_dim).transpose(1, 2) for z in (q, k, v))
@@ -80,33 +72,6 @@ class CausalSelfAttention(nn.Module):
             k, v, mask = cache.update(k, v)
             y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
         return self.proj(y.transpose(1, 2).reshape(b, t, d))
-
-
-class _LayerCache:
-    """One layer's view of a KVCache for one forward call: where each row writes and what it may attend to."""
-
-    def __init__(self, cache: KVCache, layer: int, slots: torch.Tensor, positions: torch.Tensor, t: int,
-                 dense: bool = False) -> None:
-        self.k, self.v = cache.k[layer], cache.v[layer]
-        self.dense = dense  # rows are slots 0..B-1 in order: attend through a view, no gather
-        offsets = torch.arange(t, device=positions.device)
-        self.rows = slots[:, None].expand(-1, t)
-        self.cols = positions[:, None] + offsets  # [B, T] absolute position of each new token
-        self.length = int(self.cols.max()) + 1
-        keys = torch.arange(self.length, device=positions.device)
-        self.mask = (keys[None, None, :] <= self.cols[:, :, None])[:, None]  # [B, 1, T, L]
-
-    def update(self, k: torch.Tensor, v: torch.Tensor):
-        # Advanced indexing around a slice puts the indexed dims first: [B, T, H, D].
-        self.k[self.rows, :, self.cols] = k.transpose(1, 2)
-        self.v[self.rows, :, self.cols] = v.transpose(1, 2)
-        if self.dense:
-            b = self.rows.size(0)
-            return self.k[:b, :, : self.length], self.v[:b, :, : self.length], self.mask
-        slots = self.rows[:, 0]
-        # index_select on the sliced view copies only the live prefix (several times faster than fancy indexing).
-        k = self.k[:, :, : self.length].index_select(0, slots)
-        return k, self.v[:, :, : self.length].index_select(0, slots), self.mask
 
 
 class MLP(nn.Module):
@@ -127,7 +92,7 @@ class Block(nn.Module):
         self.ln2 = nn.LayerNorm(config.d_model, bias=config.bias)
         self.mlp = MLP(config)
 
-    def forward(self, x: torch.Tensor, cache: _LayerCache | None = None) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, cache: LayerCache | None = None) -> torch.Tensor:
         x = x + self.attn(self.ln1(x), cache)
         return x + self.mlp(self.ln2(x))
 
@@ -182,7 +147,7 @@ class GPT(nn.Module):
             if int(pos.max()) >= min(self.config.seq_len, cache.max_len):
                 raise ValueError("sequence longer than the model's context")
             dense = bool((slots == torch.arange(slots.numel(), device=slots.device)).all())
-            layer_caches = [_LayerCache(cache, i, slots, positions, t, dense) for i in range(len(self.blocks))]
+            layer_caches = [LayerCache(cache, i, slots, positions, t, dense) for i in range(len(self.blocks))]
         x = self.drop(self.tok_emb(idx) + self.pos_emb(pos))
         for block, layer_cache in zip(self.blocks, layer_caches, strict=True):
             x = block(x, layer_cache)

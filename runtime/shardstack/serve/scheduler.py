@@ -1,4 +1,4 @@
-"""One engine loop that continuously batches concurrent requests on a `GPT` with a `KVCache`.
+"""The scheduler: one engine loop that continuously batches concurrent requests over a `ModelRunner`.
 
 Each running request owns one KV-cache slot. Every iteration the loop (1) admits waiting requests into free
 slots and prefills them together (prompts right-padded to a common length: the padding writes cache entries
@@ -24,7 +24,8 @@ from dataclasses import dataclass, field
 
 import torch
 
-from shardstack.model import GPT, KVCache
+from shardstack.model.gpt import GPT
+from shardstack.serve.runner import ModelRunner
 from shardstack.serve.sampling import SamplingParams, make_generator, sample
 from shardstack.serve.text import StopBuffer
 
@@ -38,7 +39,7 @@ class QueueFull(Exception):
 
 
 @dataclass
-class Event:
+class Output:
     """What the engine reports for a request: released output bytes, and finally a finish reason or error."""
 
     data: bytes = b""
@@ -53,9 +54,9 @@ class Sequence:
     max_tokens: int
     params: SamplingParams
     stop: list[bytes]
-    emit: Callable[[Event], None]
+    emit: Callable[[Output], None]
     internal: bool = False  # warm-up traffic: not counted in metrics, not subject to failpoints
-    stream: bool = True  # False: one Event at the end instead of one per released chunk
+    stream: bool = True  # False: one Output at the end instead of one per released chunk
     id: int = field(default_factory=itertools.count().__next__)
     arrived: float = field(default_factory=time.monotonic)
     slot: int = -1
@@ -72,7 +73,7 @@ class Sequence:
         self.held = bytearray()  # released output of a non-streamed request
 
 
-class EngineMetrics:
+class SchedulerMetrics:
     """Hooks the engine calls; the default does nothing (the app plugs Prometheus in)."""
 
     def queue_depth(self, running: int, waiting: int) -> None: ...
@@ -81,7 +82,7 @@ class EngineMetrics:
     def step(self, batch: int) -> None: ...
 
 
-class Engine:
+class Scheduler:
     def __init__(
         self,
         model: GPT,
@@ -91,18 +92,17 @@ class Engine:
         device: torch.device | str,
         dtype: torch.dtype,
         max_prefill_tokens: int = 4096,
-        metrics: EngineMetrics | None = None,
+        metrics: SchedulerMetrics | None = None,
         failpoint: str | None = None,
     ) -> None:
-        self.model = model
+        self.runner = ModelRunner(model, slots=max_batch, device=device, dtype=dtype)
         self.config = model.config
         self.context = model.config.seq_len
         self.max_batch = max_batch
         self.max_queue = max_queue
         self.max_prefill_tokens = max_prefill_tokens
-        self.device = torch.device(device)
-        self.cache = KVCache(model.config, max_batch, self.context, dtype=dtype, device=self.device)
-        self.metrics = metrics or EngineMetrics()
+        self.device = self.runner.device
+        self.metrics = metrics or SchedulerMetrics()
         self.failpoint = failpoint
         # Lowest free slot first, and batches ordered by slot: a full (or packed) batch is slots 0..B-1, which
         # the model attends through a view of the cache instead of gathering it every step.
@@ -156,7 +156,7 @@ class Engine:
             self._cond.notify()
         for seq in victims:
             if not seq.finished:
-                seq.emit(Event(finish_reason="abort", error=reason, completion_tokens=seq.generated))
+                seq.emit(Output(finish_reason="abort", error=reason, completion_tokens=seq.generated))
         return len(victims)
 
     def counts(self) -> tuple[int, int]:
@@ -181,9 +181,9 @@ class Engine:
         """Blocking helper (warm-up, tests): run one request through the loop and return (bytes, finish)."""
         done = threading.Event()
         parts: list[bytes] = []
-        result: list[Event] = []
+        result: list[Output] = []
 
-        def emit(ev: Event) -> None:
+        def emit(ev: Output) -> None:
             parts.append(ev.data)
             if ev.finish_reason or ev.error:
                 result.append(ev)
@@ -224,7 +224,7 @@ class Engine:
         return admitted
 
     def _run(self) -> None:
-        kv_bytes = 2 * self.cache.k.numel() * self.cache.k.element_size()
+        kv_bytes = self.runner.kv_cache_bytes()
         log.info("engine loop started: %d slots x %d tokens on %s, KV cache %.1f MiB", self.max_batch, self.context,
                  self.device, kv_bytes / 2**20)
         while True:
@@ -263,7 +263,7 @@ class Engine:
                 for seq in batch:
                     if not seq.finished:
                         seq.finished = True
-                        seq.emit(Event(error=f"engine error: {type(exc).__name__}", completion_tokens=seq.generated))
+                        seq.emit(Output(error=f"engine error: {type(exc).__name__}", completion_tokens=seq.generated))
 
     def _retire(self) -> None:
         """Free the slots of finished or cancelled requests. Caller holds the lock."""
@@ -278,18 +278,7 @@ class Engine:
         self._running = keep
 
     def _prefill(self, seqs: list[Sequence]) -> None:
-        longest = max(len(s.prompt) for s in seqs)
-        idx = torch.zeros(len(seqs), longest, dtype=torch.long)
-        for row, seq in enumerate(seqs):
-            idx[row, : len(seq.prompt)] = torch.tensor(seq.prompt)
-        logits = self.model(
-            idx.to(self.device),
-            cache=self.cache,
-            slots=torch.tensor([s.slot for s in seqs], device=self.device),
-            positions=torch.zeros(len(seqs), dtype=torch.long, device=self.device),
-        )
-        last = torch.tensor([len(s.prompt) - 1 for s in seqs], device=self.device)
-        rows = logits[torch.arange(len(seqs), device=self.device), last]
+        rows = self.runner.prefill([s.prompt for s in seqs], [s.slot for s in seqs])
         for seq in seqs:
             seq.pos = len(seq.prompt)
             if not seq.internal:
@@ -297,15 +286,10 @@ class Engine:
         self._sample_and_emit(seqs, rows)
 
     def _decode(self, seqs: list[Sequence]) -> None:
-        logits = self.model(
-            torch.tensor([[s.last] for s in seqs], device=self.device),
-            cache=self.cache,
-            slots=torch.tensor([s.slot for s in seqs], device=self.device),
-            positions=torch.tensor([s.pos for s in seqs], device=self.device),
-        )
+        logits = self.runner.decode([s.last for s in seqs], [s.slot for s in seqs], [s.pos for s in seqs])
         for seq in seqs:
             seq.pos += 1
-        self._sample_and_emit(seqs, logits[:, -1])
+        self._sample_and_emit(seqs, logits)
 
     def _sample_and_emit(self, seqs: list[Sequence], logits: torch.Tensor) -> None:
         tokens = sample(logits.float().cpu(), [s.params for s in seqs], [s.generator for s in seqs])
@@ -330,6 +314,6 @@ class Engine:
             if not seq.stream:
                 seq.held += data
                 if finish:
-                    seq.emit(Event(data=bytes(seq.held), finish_reason=finish, completion_tokens=seq.generated))
+                    seq.emit(Output(data=bytes(seq.held), finish_reason=finish, completion_tokens=seq.generated))
             elif data or finish:
-                seq.emit(Event(data=data, finish_reason=finish, completion_tokens=seq.generated))
+                seq.emit(Output(data=data, finish_reason=finish, completion_tokens=seq.generated))

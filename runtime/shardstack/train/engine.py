@@ -39,41 +39,18 @@ from torch.distributed.checkpoint.state_dict import (
     set_model_state_dict,
     set_state_dict,
 )
-from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, MixedPrecisionPolicy, OffloadPolicy, fully_shard
+from torch.distributed.fsdp import FSDPModule
 from torch.distributed.optim import ZeroRedundancyOptimizer
 from torch.distributed.tensor import DTensor
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-from shardstack.config import EngineConfig, OptimizerConfig
-from shardstack.dist import DistInfo
-from shardstack.errors import ShardstackError
+from shardstack.model.dtypes import to_dtype
+from shardstack.train.config import EngineConfig, OptimizerConfig
+from shardstack.train.dist import DistInfo
+from shardstack.train.optim import make_optimizer, optimizer_param_groups
+from shardstack.train.parallelize import parallelize
 
 log = logging.getLogger("shardstack.engine")
-
-DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
-
-
-def optimizer_param_groups(model: nn.Module, weight_decay: float) -> list[dict[str, Any]]:
-    """AdamW groups: decay on matrices (≥ 2-D), none on norms and biases. Shared with the estimator, which must
-    reproduce ZeroRedundancyOptimizer's partition from the same ordering."""
-    decay, no_decay = [], []
-    for _, p in model.named_parameters():
-        if p.requires_grad:
-            (decay if p.dim() >= 2 else no_decay).append(p)
-    groups = [{"params": decay, "weight_decay": weight_decay}]
-    if no_decay:
-        groups.append({"params": no_decay, "weight_decay": 0.0})
-    return groups
-
-
-def shard_units(model: nn.Module) -> Sequence[nn.Module]:
-    blocks = getattr(model, "blocks", None)
-    if not isinstance(blocks, nn.ModuleList | list | tuple) or not blocks:
-        raise ShardstackError(
-            f"{type(model).__name__} has no `blocks` (a non-empty ModuleList of its layers)",
-            hint="FSDP shards one block per unit; expose the transformer layers as `model.blocks`",
-        )
-    return blocks
 
 
 def _local(t: torch.Tensor) -> torch.Tensor:
@@ -103,7 +80,7 @@ class Engine:
         self.cfg = engine_cfg
         self.optim_cfg = optim_cfg
         self.dist = dist_info
-        self.compute_dtype = DTYPES[engine_cfg.precision]
+        self.compute_dtype = to_dtype(engine_cfg.precision)
         self.scaler: torch.amp.GradScaler | None = None
         if engine_cfg.precision == "fp16":
             if stage >= 2:
@@ -272,46 +249,10 @@ class Engine:
         set_state_dict(self.model, self.optimizer, model_state_dict=sd["model"], optim_state_dict=sd["optimizer"])
 
 
-def _make_optimizer(params: list[dict[str, Any]], cfg: OptimizerConfig, stage: int) -> torch.optim.Optimizer:
-    kwargs = {"lr": cfg.lr, "betas": tuple(cfg.betas), "eps": cfg.eps, "weight_decay": cfg.weight_decay}
-    if stage == 1:
-        return ZeroRedundancyOptimizer(params, optimizer_class=torch.optim.AdamW, **kwargs)
-    return torch.optim.AdamW(params, **kwargs)
-
-
 def build_engine(model: nn.Module, engine_cfg: EngineConfig, optim_cfg: OptimizerConfig, dist_info: DistInfo) -> Engine:
-    """Wrap `model` (already initialised, identically on every rank) for `engine_cfg.stage`."""
-    stage = engine_cfg.stage
-    dev = dist_info.device
-    if stage <= 1:
-        model = model.to(dev)
-        wrapped = DDP(
-            model,
-            device_ids=[dev.index] if dev.type == "cuda" else None,
-            bucket_cap_mb=engine_cfg.bucket_mb,
-            gradient_as_bucket_view=True,  # grads are views into the buckets: no second copy of every gradient
-        )
-        optimizer = _make_optimizer(optimizer_param_groups(model, optim_cfg.weight_decay), optim_cfg, stage)
-        return Engine(model, wrapped, optimizer, stage, engine_cfg, optim_cfg, dist_info)
-
-    mesh = dist_info.mesh()
-    compute = DTYPES[engine_cfg.precision]
-    mp = MixedPrecisionPolicy(param_dtype=compute, reduce_dtype=torch.float32) if compute != torch.float32 \
-        else MixedPrecisionPolicy()
-    offload: OffloadPolicy = CPUOffloadPolicy(pin_memory=dev.type == "cuda") if engine_cfg.offload == "cpu" \
-        else OffloadPolicy()
-    reshard: bool | int = stage == 3
-    if stage == 3 and engine_cfg.reshard_group:
-        reshard = engine_cfg.reshard_group
-    blocks = shard_units(model)
-    for block in blocks:
-        fully_shard(block, mesh=mesh, reshard_after_forward=reshard, mp_policy=mp, offload_policy=offload)
-    # The root unit (embeddings, final norm, tied head) is needed again first thing in backward: keep it gathered.
-    fully_shard(model, mesh=mesh, reshard_after_forward=False, mp_policy=mp, offload_policy=offload)
-    if engine_cfg.prefetch > 1:
-        k = engine_cfg.prefetch
-        for i, block in enumerate(blocks):
-            block.set_modules_to_forward_prefetch(list(blocks[i + 1: i + 1 + k]))
-            block.set_modules_to_backward_prefetch(list(reversed(blocks[max(0, i - k): i])))
-    optimizer = _make_optimizer(optimizer_param_groups(model, optim_cfg.weight_decay), optim_cfg, stage)
-    return Engine(model, model, optimizer, stage, engine_cfg, optim_cfg, dist_info)
+    """Wrap `model` (already initialised, identically on every rank) for `engine_cfg.stage` and give it its
+    optimizer."""
+    wrapped = parallelize(model, engine_cfg, dist_info)
+    module = wrapped.module if isinstance(wrapped, DDP) else wrapped
+    optimizer = make_optimizer(optimizer_param_groups(module, optim_cfg.weight_decay), optim_cfg, engine_cfg.stage)
+    return Engine(module, wrapped, optimizer, engine_cfg.stage, engine_cfg, optim_cfg, dist_info)

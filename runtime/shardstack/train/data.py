@@ -18,7 +18,7 @@ import torch
 
 from shardstack.errors import ShardstackError
 
-CORPUS_DIR = Path(__file__).parent / "corpus"
+CORPUS_DIR = Path(__file__).resolve().parents[1] / "corpus"
 TOKEN_DTYPE = np.uint16
 SHARD_TOKENS = 1 << 26  # 64 Mi tokens (128 MiB) per shard file
 

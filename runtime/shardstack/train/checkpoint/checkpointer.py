@@ -1,29 +1,11 @@
-"""Sharded training checkpoints: torch.distributed.checkpoint (DCP) per step directory, committed atomically.
-
-Layout under `checkpoint.dir`::
-
-    step_00000100/            a committed checkpoint: DCP shards (__<rank>_<n>.distcp), .metadata, manifest.json
-    step_00000200.tmp-1a2b3c/ a save in progress (or one that crashed): never picked, removed on the next resume
-
-A save goes: every rank writes its shards into `step_N.tmp-<nonce>/` (DCP fsyncs each file and the .metadata);
-every rank hashes the files it wrote; rank 0 gathers the hashes, writes `manifest.json` (step, world size, stage,
-config hash, size + sha256 of every file), fsyncs it and the directory, renames the directory to `step_N/` and
-fsyncs the parent. The rename is the commit: a crash at any point before it leaves only a `.tmp-` directory.
-
-Resume (`resume: auto`) walks the committed directories newest first and takes the first whose manifest verifies
-(every file present, sizes and sha256 equal; the ranks hash disjoint subsets of the files in parallel); each one
-skipped is logged with the reason. The state is DCP's, keyed by fully qualified names with DTensor/ShardedTensor
-shards, so it loads on any world size and any ZeRO stage without a conversion step.
-"""
+"""The collective side of checkpoints: every rank saves its DCP shards, rank 0 commits with a manifest (see
+`layout` for the on-disk format), and resume takes the newest checkpoint that verifies."""
 
 from __future__ import annotations
 
 import contextlib
-import hashlib
-import json
 import logging
 import os
-import re
 import shutil
 import socket
 import time
@@ -40,179 +22,32 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.stateful import Stateful
 
 from shardstack.errors import ShardstackError
+from shardstack.train.checkpoint.layout import (
+    DCP_METADATA,
+    MANIFEST,
+    MANIFEST_FORMAT,
+    STALE_RE,
+    check_files,
+    file_entry,
+    fsync_dir,
+    fsync_file,
+    list_checkpoints,
+    read_manifest,
+    remove_tree,
+    step_dir_name,
+    write_json_durable,
+)
 
 if TYPE_CHECKING:
-    from shardstack.config import CheckpointConfig
+    from shardstack.train.config import CheckpointConfig
 
-log = logging.getLogger(__name__)
-
-MANIFEST = "manifest.json"
-MANIFEST_FORMAT = "shardstack-checkpoint/1"
-DCP_METADATA = ".metadata"
-_STEP_RE = re.compile(r"^step_(\d{8})$")
-_STALE_RE = re.compile(r"^step_\d{8}\.(tmp|deleting)-[0-9a-f]+$")
-_HASH_CHUNK = 8 << 20
+log = logging.getLogger("shardstack.checkpoint")
 
 
 class _DistLike(Protocol):
     rank: int
     world_size: int
 
-
-def step_dir_name(step: int) -> str:
-    return f"step_{step:08d}"
-
-
-def is_step_dir(path: str | os.PathLike) -> bool:
-    """Named like a committed checkpoint (step_XXXXXXXX); whether it is valid is verify_checkpoint's question."""
-    return bool(_STEP_RE.match(Path(path).name))
-
-
-# --------------------------------------------------------------------------------------------- filesystem helpers
-
-
-def _fsync_dir(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
-def _fsync_file(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
-def _sha256(path: Path) -> str:
-    with open(path, "rb") as f:
-        return hashlib.file_digest(f, "sha256").hexdigest()
-
-
-def _file_entry(path: Path) -> dict[str, Any]:
-    return {"size": path.stat().st_size, "sha256": _sha256(path)}
-
-
-def _write_json_durable(path: Path, obj: dict) -> None:
-    tmp = path.with_name(path.name + ".tmp")
-    with open(tmp, "w") as f:
-        json.dump(obj, f, indent=2, sort_keys=True)
-        f.write("\n")
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
-
-
-def _remove_tree(path: Path) -> None:
-    """Rename first so a half-deleted directory can never look like a committed checkpoint, then delete."""
-    doomed = path.with_name(f"{path.name}.deleting-{uuid.uuid4().hex[:8]}")
-    os.replace(path, doomed)
-    shutil.rmtree(doomed, ignore_errors=True)
-
-
-# ------------------------------------------------------------------------------------------- listing and verifying
-
-
-@dataclass
-class CheckpointInfo:
-    """One committed step directory and what verifying it found (`problem` is None when it is valid)."""
-
-    path: Path
-    step: int
-    manifest: dict[str, Any] | None = None
-    problem: str | None = None
-    checked: str = "manifest"  # how far it was checked: manifest | sizes | sha256
-
-    @property
-    def valid(self) -> bool:
-        return self.problem is None
-
-
-def list_checkpoints(root: str | os.PathLike) -> list[tuple[int, Path]]:
-    """Committed step directories under `root`, oldest first (in-progress `.tmp-` directories are not listed)."""
-    root = Path(root)
-    if not root.is_dir():
-        return []
-    found = []
-    for entry in root.iterdir():
-        m = _STEP_RE.match(entry.name)
-        if m and entry.is_dir():
-            found.append((int(m.group(1)), entry))
-    return sorted(found)
-
-
-def read_manifest(path: str | os.PathLike) -> tuple[dict[str, Any] | None, str | None]:
-    """The manifest of a step directory, or None and why it is unusable."""
-    path = Path(path)
-    mf = path / MANIFEST
-    if not mf.is_file():
-        return None, "no manifest.json (the save never committed)"
-    try:
-        manifest = json.loads(mf.read_text())
-    except (OSError, ValueError) as exc:
-        return None, f"manifest.json is unreadable ({exc})"
-    if not isinstance(manifest, dict) or manifest.get("format") != MANIFEST_FORMAT:
-        return None, f"manifest.json is not a {MANIFEST_FORMAT} manifest"
-    if not isinstance(manifest.get("files"), dict) or DCP_METADATA not in manifest["files"]:
-        return None, "manifest.json lists no DCP .metadata file"
-    m = _STEP_RE.match(path.name)
-    if m and int(m.group(1)) != manifest.get("step"):
-        return None, f"manifest.json says step {manifest.get('step')} but the directory is {path.name}"
-    return manifest, None
-
-
-def _check_files(path: Path, files: dict[str, dict[str, Any]], names: list[str], checksums: bool) -> str | None:
-    for name in names:
-        expected = files[name]
-        f = path / name
-        if not f.is_file():
-            return f"missing file {name}"
-        size = f.stat().st_size
-        if size != expected["size"]:
-            return f"size mismatch for {name}: manifest says {expected['size']} bytes, found {size} (truncated?)"
-        if checksums and _sha256(f) != expected["sha256"]:
-            return f"checksum mismatch for {name} (sha256 differs from the manifest)"
-    return None
-
-
-def verify_checkpoint(path: str | os.PathLike, *, checksums: bool = True) -> CheckpointInfo:
-    """Check one step directory on this process: manifest, every file present, sizes, and (optionally) sha256."""
-    path = Path(path)
-    m = _STEP_RE.match(path.name)
-    manifest, problem = read_manifest(path)
-    step = int(m.group(1)) if m else int(manifest.get("step", -1)) if manifest else -1
-    info = CheckpointInfo(path=path, step=step, manifest=manifest, problem=problem)
-    if manifest is not None:
-        info.problem = _check_files(path, manifest["files"], sorted(manifest["files"]), checksums)
-        info.checked = "sha256" if checksums else "sizes"
-    return info
-
-
-def resolve_checkpoint(path: str | os.PathLike, *, checksums: bool = True) -> CheckpointInfo:
-    """A step directory as given, or the newest valid one under a checkpoint root; raises if there is none."""
-    path = Path(path)
-    if not path.is_dir():
-        raise ShardstackError(f"checkpoint directory {path} does not exist")
-    if (path / MANIFEST).is_file() or is_step_dir(path):
-        info = verify_checkpoint(path, checksums=checksums)
-        if not info.valid:
-            raise ShardstackError(f"checkpoint {path} is not valid: {info.problem}")
-        return info
-    for _step, step_dir in reversed(list_checkpoints(path)):
-        info = verify_checkpoint(step_dir, checksums=checksums)
-        if info.valid:
-            return info
-        log.warning("skipping checkpoint %s: %s", step_dir.name, info.problem)
-    raise ShardstackError(
-        f"no valid checkpoint under {path}",
-        hint="point at a checkpoint root (with step_XXXXXXXX/ directories) or at one step directory",
-    )
-
-
-# ------------------------------------------------------------------------------------------------ the checkpointer
 
 
 @dataclass
@@ -352,14 +187,14 @@ class Checkpointer:
         if manifest is None:
             return problem
         names = sorted(manifest["files"])
-        mine = _check_files(path, manifest["files"], names[self.rank :: self.world_size], checksums=True)
+        mine = check_files(path, manifest["files"], names[self.rank :: self.world_size], checksums=True)
         problems = [p for p in self._all_gather(mine) if p is not None]
         return problems[0] if problems else None
 
     def _remove_stale(self) -> None:
         """Directories of saves that never committed (a crash mid-save) or deletions that never finished."""
         for entry in self.root.iterdir():  # type: ignore[union-attr]
-            if _STALE_RE.match(entry.name) and entry.is_dir():
+            if STALE_RE.match(entry.name) and entry.is_dir():
                 log.warning("removing %s: a save or delete that never finished", entry)
                 shutil.rmtree(entry, ignore_errors=True)
 
@@ -432,7 +267,7 @@ class Checkpointer:
     def _commit(self, step: int, tmp: Path, *, group) -> None:
         """Hash every rank's shards, then rank 0 writes the manifest and renames the directory into place."""
         # DCP names each rank's files __<rank>_<n>.distcp and has fsynced them; each rank hashes its own.
-        local = {p.name: _file_entry(p) for p in sorted(tmp.glob(f"__{self.rank}_*.distcp"))}
+        local = {p.name: file_entry(p) for p in sorted(tmp.glob(f"__{self.rank}_*.distcp"))}
         gathered = self._gather(local, group=group)
         error: str | None = None
         if self.rank == 0:
@@ -449,8 +284,8 @@ class Checkpointer:
         files: dict[str, dict[str, Any]] = {}
         for entries in per_rank:
             files.update(entries)
-        _fsync_file(tmp / DCP_METADATA)
-        files[DCP_METADATA] = _file_entry(tmp / DCP_METADATA)
+        fsync_file(tmp / DCP_METADATA)
+        files[DCP_METADATA] = file_entry(tmp / DCP_METADATA)
         manifest = {
             "format": MANIFEST_FORMAT,
             "step": step,
@@ -464,16 +299,16 @@ class Checkpointer:
             "total_bytes": sum(f["size"] for f in files.values()),
             "job_config": self.job_config,
         }
-        _write_json_durable(tmp / MANIFEST, manifest)
-        _fsync_dir(tmp)
+        write_json_durable(tmp / MANIFEST, manifest)
+        fsync_dir(tmp)
         final = self.root / step_dir_name(step)
         if final.exists():
             # Only possible after resuming from an older step (the newer one was invalid, or resume named an older
             # one): this run's history replaces it.
             log.warning("replacing existing %s with the checkpoint of this run", final)
-            _remove_tree(final)
+            remove_tree(final)
         os.rename(tmp, final)
-        _fsync_dir(self.root)
+        fsync_dir(self.root)
         self._prune()
 
     def _prune(self) -> None:
@@ -483,4 +318,4 @@ class Checkpointer:
         for _step, path in committed[: -self.cfg.keep]:
             log.info("removing %s (keep: %d)", path.name, self.cfg.keep)
             with contextlib.suppress(OSError):
-                _remove_tree(path)
+                remove_tree(path)

@@ -1,18 +1,13 @@
 """The training loop: a thin driver around the engine, data, metrics and checkpoint components.
 
-Per step it logs one JSON line on stdout (rank 0: step, loss, lr, tokens/s, step seconds, MFU against the stated
-peak, memory) and a human progress line on the log, updates the Prometheus gauges, and offers the step to the
-checkpointer. After the first step it logs the estimator's per-rank bytes next to the measured local shards.
+Per step it hands the result to the metrics processor (JSON line, log line, Prometheus, MFU) and offers the step to
+the checkpointer. After the first step it logs the estimator's per-rank bytes next to the measured local shards.
 """
 
 from __future__ import annotations
 
-import importlib
-import json
 import logging
-import math
 import random
-import resource
 import sys
 import time
 from dataclasses import dataclass, field
@@ -20,47 +15,19 @@ from typing import Any
 
 import numpy as np
 import torch
-from torch import nn
 
-from shardstack.config import JobConfig, ModelConfig, model_config_dict
-from shardstack.data import Batches, GlobalSampler, TokenDataset
-from shardstack.dist import DistInfo, init_distributed
-from shardstack.engine import Engine, build_engine
 from shardstack.errors import ShardstackError
-from shardstack.estimate import estimate_stage
-from shardstack.metrics import TrainMetrics, peak_tflops
+from shardstack.model.factory import build_model
+from shardstack.train.config import JobConfig
+from shardstack.train.data import Batches, GlobalSampler, TokenDataset
+from shardstack.train.dist import DistInfo, init_distributed
+from shardstack.train.engine import Engine, build_engine
+from shardstack.train.memory.autobatch import find_micro_batch
+from shardstack.train.memory.estimate import estimate_stage
+from shardstack.train.metrics import MetricsProcessor
+from shardstack.train.optim import make_scheduler
 
 log = logging.getLogger("shardstack.trainer")
-
-
-def build_model(cfg: ModelConfig) -> nn.Module:
-    """The built-in GPT from preset + overrides, or the user's `module:factory(**factory_kwargs)`."""
-    if cfg.factory:
-        mod_name, _, fn_name = cfg.factory.partition(":")
-        try:
-            factory = getattr(importlib.import_module(mod_name), fn_name)
-        except (ImportError, AttributeError) as exc:
-            raise ShardstackError(f"config key 'model.factory': cannot load {cfg.factory!r} ({exc})") from None
-        model = factory(**cfg.factory_kwargs)
-        if not isinstance(model, nn.Module):
-            raise ShardstackError(f"model.factory {cfg.factory!r} returned {type(model).__name__}, not an nn.Module")
-        return model
-    from shardstack.model import GPT, GPTConfig
-
-    try:
-        return GPT(GPTConfig(**model_config_dict(cfg)))
-    except ValueError as exc:
-        raise ShardstackError(f"config section 'model': {exc}") from None
-
-
-def lr_lambda(schedule_warmup: int, total: int, min_ratio: float):
-    def f(step: int) -> float:  # LambdaLR calls it with the number of finished steps
-        if step < schedule_warmup:
-            return (step + 1) / (schedule_warmup + 1)
-        progress = min(1.0, (step - schedule_warmup) / max(1, total - schedule_warmup))
-        return min_ratio + (1 - min_ratio) * 0.5 * (1 + math.cos(math.pi * progress))
-
-    return f
 
 
 class TrainState:
@@ -107,12 +74,6 @@ class TrainResult:
     memory_estimated: dict[str, int] | None = None
 
 
-def _resident_bytes(device: torch.device) -> int:
-    if device.type == "cuda":
-        return torch.cuda.max_memory_allocated(device)
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
-
-
 def resolve_batch(cfg: JobConfig, world: int, micro: int) -> int:
     per_rank, rem = divmod(cfg.batch.global_batch, world)
     if rem:
@@ -133,10 +94,8 @@ def resolve_batch(cfg: JobConfig, world: int, micro: int) -> int:
 def _open_checkpointer(cfg: JobConfig, dist_info: DistInfo):
     if not cfg.checkpoint.dir:
         return None
-    try:
-        from shardstack.checkpoint import Checkpointer
-    except ImportError as exc:
-        raise ShardstackError(f"checkpoint.dir is set but shardstack.checkpoint is unavailable ({exc})") from None
+    from shardstack.train.checkpoint.checkpointer import Checkpointer
+
     return Checkpointer(cfg.checkpoint, config_hash=cfg.config_hash(), dist=dist_info, stage=cfg.engine.stage,
                         job_config=cfg.to_dict())
 
@@ -166,8 +125,6 @@ def train(cfg: JobConfig, max_steps: int | None = None, *, out=None) -> TrainRes
 
     engine = build_engine(model, cfg.engine, cfg.optimizer, info)
     if cfg.batch.micro_batch == "auto":
-        from shardstack.autobatch import find_micro_batch
-
         micro = find_micro_batch(cfg, engine, seq_len, model_vocab)
     else:
         micro = cfg.batch.micro_batch
@@ -177,23 +134,22 @@ def train(cfg: JobConfig, max_steps: int | None = None, *, out=None) -> TrainRes
     sampler = GlobalSampler(len(dataset), global_batch=cfg.batch.global_batch, world_size=info.world_size,
                             rank=info.rank, seed=cfg.seed, shuffle=cfg.data.shuffle)
     batches = Batches(dataset, sampler, micro, info.device)
-    s = cfg.schedule
-    scheduler = torch.optim.lr_scheduler.LambdaLR(engine.optimizer, lr_lambda(s.warmup_steps, s.total_steps,
-                                                                              s.min_lr_ratio))
+    scheduler = make_scheduler(engine.optimizer, cfg.schedule)
     state = TrainState(engine, scheduler, sampler)
     ckpt = _open_checkpointer(cfg, info)
     start = ckpt.resume(state) if ckpt else 0
     state.step = start
-    end = s.total_steps if max_steps is None else min(s.total_steps, start + max_steps)
+    total = cfg.schedule.total_steps
+    end = total if max_steps is None else min(total, start + max_steps)
 
-    peak, peak_src = peak_tflops(info.device, cfg.metrics.peak_tflops)
-    metrics = TrainMetrics(cfg.metrics.port) if info.is_main and cfg.metrics.port else None
-    json_log = open(cfg.metrics.json_log, "a") if info.is_main and cfg.metrics.json_log else None  # noqa: SIM115
     tokens_per_step = cfg.batch.global_batch * seq_len
+    metrics = MetricsProcessor(cfg.metrics, is_main=info.is_main, device=info.device, world_size=info.world_size,
+                               tokens_per_step=tokens_per_step, flops_per_token=flops_per_token, out=out)
     if info.is_main:
         log.info("stage %d, precision %s, offload %s, global batch %d = micro %d × accumulation %d × world %d; "
                  "steps %d→%d; MFU against %.1f TFLOP/s per device (%s)", engine.stage, cfg.engine.precision,
-                 cfg.engine.offload, cfg.batch.global_batch, micro, accum, info.world_size, start, end, peak, peak_src)
+                 cfg.engine.offload, cfg.batch.global_batch, micro, accum, info.world_size, start, end, metrics.peak,
+                 metrics.peak_source)
     result = TrainResult(start_step=start, final_step=start, micro_batch=micro, accumulation=accum)
     rates: list[float] = []
     try:
@@ -204,41 +160,22 @@ def train(cfg: JobConfig, max_steps: int | None = None, *, out=None) -> TrainRes
             scheduler.step()
             if info.device.type == "cuda":
                 torch.cuda.synchronize(info.device)
-            dt = time.perf_counter() - t0
             state.step = step
-            tps = tokens_per_step / dt
+            tps = metrics.record(step=step, end=end, loss=loss, seconds=time.perf_counter() - t0,
+                                 lr=scheduler.get_last_lr()[0], grad_norm=stats.grad_norm, skipped=stats.skipped)
             if step > start + 1:
                 rates.append(tps)
-            mfu = flops_per_token * tps / (peak * 1e12 * info.world_size)
             result.steps.append(step)
             result.losses.append(loss)
             result.final_step = step
             if step == start + 1:
                 _log_memory(cfg, engine, micro, seq_len, accum, result)
-            if metrics:
-                metrics.update(step=step, loss=loss, step_seconds=dt, tokens_per_second=tps, mfu=mfu)
-            if info.is_main and (step % cfg.metrics.log_every == 0 or step == end):
-                rec = {"step": step, "loss": round(loss, 6), "lr": scheduler.get_last_lr()[0],
-                       "tokens_per_second": round(tps, 1), "step_seconds": round(dt, 4), "mfu": round(mfu, 5),
-                       "peak_tflops_per_device": round(peak, 3),
-                       "grad_norm": None if stats.grad_norm is None else round(stats.grad_norm, 5),
-                       "skipped": stats.skipped, "memory_bytes": _resident_bytes(info.device)}
-                line = json.dumps(rec)
-                print(line, file=out, flush=True)
-                if json_log:
-                    json_log.write(line + "\n")
-                    json_log.flush()
-                log.info("step %d/%d loss %.4f lr %.2e %.0f tok/s %.3fs/step MFU %.2f%%", step, end, loss,
-                         rec["lr"], tps, dt, 100 * mfu)
             if ckpt:
                 ckpt.maybe_save(step, state)
         if ckpt:
             ckpt.finish(state.step, state)
     finally:
-        if metrics:
-            metrics.close()
-        if json_log:
-            json_log.close()
+        metrics.close()
     result.tokens_per_second = sum(rates) / len(rates) if rates else 0.0
     return result
 

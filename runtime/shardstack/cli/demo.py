@@ -1,0 +1,124 @@
+"""`shardstack demo`: the lab end to end — lab up (3 nodes), site.yml, a 2-node ZeRO-3 job, export, the inference
+tier behind the load balancer, a completion, validate, and a second deploy that must change nothing."""
+
+from __future__ import annotations
+
+import argparse
+import time
+
+from rich.table import Table
+
+from shardstack.cli.deploy import DEFAULT_INVENTORY, run_and_report, validate_tables
+from shardstack.cli.output import EXIT_FAILED_HOSTS, EXIT_OK, LiveProgress, Progress, console, summary_table
+from shardstack.errors import ShardstackError
+from shardstack.lab import lab
+from shardstack.ops import cluster, serve, train
+from shardstack.ops.runner import project_dir
+from shardstack.ops.validate import run_validate
+from shardstack.ops.wheelhouse import build
+
+
+def register(sub: argparse._SubParsersAction) -> None:
+    d = sub.add_parser("demo", help="lab up (3 nodes) → site.yml → train → export → serve → validate → re-deploy")
+    d.add_argument("--name", default="demo", help="lab name (default demo)")
+    d.add_argument("--steps", type=int, default=300, help="training steps of the demo job (default 300)")
+    d.add_argument("--keep", action="store_true", help="leave the lab running afterwards")
+    d.set_defaults(func=_demo)
+
+
+def _demo(args: argparse.Namespace) -> int:
+    phases: list[tuple[str, float]] = []
+    inventory = DEFAULT_INVENTORY
+
+    def phase(name: str, started: float) -> None:
+        phases.append((name, time.monotonic() - started))
+        console.print(f"[bold green]✓[/] {name}: {phases[-1][1]:.1f}s", highlight=False)
+
+    t0 = time.monotonic()
+    if args.name in lab.st.list_labs():
+        console.print(f"lab {args.name} already up; reusing it")
+    else:
+        lab.up(args.name, 3, inventory, Progress())
+    phase("lab up (3 nodes)", t0)
+    ns = argparse.Namespace(inventory=inventory, tags=None, skip_tags=None, limit=None, check=False, json=False)
+    completion = None
+    try:
+        # One wheelhouse for every run of the demo, so the second deploy compares like with like.
+        t = time.monotonic()
+        wh = build(project_dir(), log=lambda m: console.print(m, highlight=False))
+        pinned = {"training_runtime_wheelhouse_src": str(wh.path)}
+        phase(f"wheelhouse ({'built' if wh.built else 'cached'}, {wh.bytes / 2**20:.0f} MiB)", t)
+
+        first = run_and_report("site.yml", ns, "site.yml, first run", extravars=pinned)
+        phases.append(("site.yml", first.seconds))
+        if not first.success:
+            raise ShardstackError("site.yml failed on the lab; see the table above", exit_code=EXIT_FAILED_HOSTS)
+
+        t = time.monotonic()
+        job = train.demo_job(args.steps, cluster.SHARED_DIR)
+        sub = train.submit(job, "demo", inventory, nodes=2, on_event=LiveProgress())
+        if not sub.success:
+            console.print(summary_table(sub, "train submit demo"))
+            raise ShardstackError("train submit failed", exit_code=EXIT_FAILED_HOSTS)
+
+        def show(st: train.JobStatus) -> None:
+            last = st.last_step
+            console.print(f"  job demo: {st.state}" + (f", step {last['step']}/{args.steps} loss {last['loss']:.3f}"
+                                                       f" {last['tokens_per_second']:.0f} tok/s" if last else ""),
+                          highlight=False)
+
+        st = cluster.wait_job("demo", inventory, timeout=max(600, args.steps * 5), on_status=show)
+        if st.state != "finished":
+            raise ShardstackError(f"the demo job ended {st.state}", hint="shardstack train logs demo",
+                                  exit_code=EXIT_FAILED_HOSTS)
+        phase(f"train: 2 nodes, ZeRO-3, {args.steps} steps", t)
+
+        t = time.monotonic()
+        exp = cluster.export_current(inventory, job["checkpoint"]["dir"], "demo")
+        phase(f"export → {exp.current}", t)
+
+        t = time.monotonic()
+        ro = serve.rollout(inventory, extravars=pinned, on_event=LiveProgress())
+        if not ro.success:
+            console.print(summary_table(ro, "serve rollout"))
+            raise ShardstackError("serve rollout failed", exit_code=EXIT_FAILED_HOSTS)
+        phase("serve rollout (inference nodes load the model)", t)
+
+        t = time.monotonic()
+        # Sampled, not greedy: a few hundred CPU steps of a tiny byte-level model make greedy decoding repeat spaces.
+        completion = cluster.complete(cluster.lb_url(inventory), "The ", token=cluster.load_token(inventory),
+                                      max_tokens=48, temperature=0.8)
+        if completion.status != 200:
+            raise ShardstackError(f"completion through the load balancer answered {completion.status}: "
+                                  f"{completion.body}", exit_code=EXIT_FAILED_HOSTS)
+        phase("a completion through the load balancer", t)
+
+        t = time.monotonic()
+        val, findings = run_validate(inventory)
+        for table in validate_tables(val.data):
+            console.print(table)
+        if findings or not val.success:
+            raise ShardstackError("validate failed: " + "; ".join(findings or ["see the artifacts"]),
+                                  exit_code=EXIT_FAILED_HOSTS)
+        phase("validate", t)
+
+        again = run_and_report("site.yml", ns, "site.yml, second run (must change nothing)", extravars=pinned)
+        phases.append((f"site.yml again ({again.changed} changed)", again.seconds))
+        if not again.success or again.changed:
+            raise ShardstackError(f"second deploy was not clean: {again.changed} changed, {again.failed} failed",
+                                  exit_code=EXIT_FAILED_HOSTS)
+    finally:
+        if not args.keep:
+            t = time.monotonic()
+            lab.down(args.name, Progress())
+            phases.append(("lab down", time.monotonic() - t))
+        table = Table(title="demo phases")
+        table.add_column("phase")
+        table.add_column("seconds", justify="right")
+        for name, secs in phases:
+            table.add_row(name, f"{secs:.1f}")
+        console.print(table)
+    if completion:
+        console.print(f"[bold]completion from the trained model[/] ({completion.seconds * 1e3:.0f} ms): "
+                      f"'The ' → {completion.text!r}", highlight=False)
+    return EXIT_OK

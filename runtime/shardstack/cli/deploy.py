@@ -1,0 +1,142 @@
+"""`shardstack deploy | check | validate`: the cluster's playbooks through ansible-runner, with live progress.
+
+deploy runs site.yml, check the preflight (inventory shape, every node reachable, facts), validate the
+post-deploy checks (playbooks/validate.yml) and prints their report.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+from typing import Any
+
+from rich.table import Table
+
+from shardstack.cli.output import EXIT_FAILED_HOSTS, EXIT_OK, LiveProgress, console, summary_table
+from shardstack.errors import ShardstackError
+from shardstack.ops.cluster import check_inventory
+from shardstack.ops.runner import RunResult, run_playbook
+from shardstack.ops.validate import run_validate
+
+DEFAULT_INVENTORY = Path("inventory/lab/hosts.yml")
+
+
+def register(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("deploy", help="run site.yml (or tagged parts of it) through ansible-runner")
+    add_run_args(p)
+    p.set_defaults(func=_deploy)
+
+    c = sub.add_parser("check", help="preflight: inventory groups, every node reachable, OS facts")
+    add_run_args(c, tags=False)
+    c.set_defaults(func=_check)
+
+    v = sub.add_parser("validate", help="validate a deployed cluster: GPUs, NCCL, all-reduce, storage, inference")
+    add_run_args(v, tags=False)
+    v.add_argument("--allreduce-mb", type=float, default=16.0, help="all-reduce tensor size (MiB, default 16)")
+    v.set_defaults(func=_validate)
+
+
+def add_inventory_arg(p: argparse.ArgumentParser) -> None:
+    p.add_argument("-i", "--inventory", type=Path, default=DEFAULT_INVENTORY,
+                   help=f"inventory file or directory (default {DEFAULT_INVENTORY})")
+
+
+def add_run_args(p: argparse.ArgumentParser, *, tags: bool = True) -> None:
+    add_inventory_arg(p)
+    if tags:
+        p.add_argument("--tags", help="only these tags (comma-separated), e.g. os,gpu")
+        p.add_argument("--skip-tags", help="skip these tags")
+        p.add_argument("--check", action="store_true", help="dry run: report what would change")
+    p.add_argument("--limit", help="only these hosts or groups")
+    p.add_argument("-e", "--extra-vars", action="append", default=[], metavar="KEY=VALUE",
+                   help="extra variable (repeatable), e.g. -e training_runtime_wheelhouse_src=/path")
+    p.add_argument("--json", action="store_true", help="print the result as JSON on stdout")
+
+
+def parse_extra_vars(pairs: list[str]) -> dict[str, str]:
+    out = {}
+    for pair in pairs:
+        key, sep, value = pair.partition("=")
+        if not sep or not key.isidentifier():
+            raise ShardstackError(f"extra variable {pair!r} is not KEY=VALUE")
+        out[key] = value
+    return out
+
+
+def run_and_report(playbook: str, args: argparse.Namespace, title: str, *,
+                   extravars: dict[str, Any] | None = None) -> RunResult:
+    extravars = {**parse_extra_vars(getattr(args, "extra_vars", None) or []), **(extravars or {})}
+    result = run_playbook(playbook, args.inventory, tags=getattr(args, "tags", None),
+                          skip_tags=getattr(args, "skip_tags", None), limit=args.limit,
+                          check=getattr(args, "check", False), extravars=extravars,
+                          on_event=None if args.json else LiveProgress())
+    if args.json:
+        print(json.dumps(result.to_dict(), indent=2))
+    else:
+        console.print(summary_table(result, title))
+    return result
+
+
+def _deploy(args: argparse.Namespace) -> int:
+    result = run_and_report("site.yml", args, "deploy" + (" --check" if args.check else ""))
+    return EXIT_OK if result.success else EXIT_FAILED_HOSTS
+
+
+def _check(args: argparse.Namespace) -> int:
+    problems = check_inventory(args.inventory)
+    for p in problems:
+        console.print(f"[red]inventory:[/] {p}", highlight=False)
+    result = run_and_report("playbooks/preflight.yml", args, "check (preflight)")
+    return EXIT_OK if result.success and not problems else EXIT_FAILED_HOSTS
+
+
+def validate_tables(data: dict[str, Any]) -> list[Table]:
+    tables = []
+    nodes = Table(title="validate: nodes")
+    for col in ("host", "GPUs / driver", "NCCL config", "storage write", "storage read (peer)", "same bytes"):
+        nodes.add_column(col)
+    gpu, storage = data.get("validate_gpu") or {}, data.get("validate_storage") or {}
+    for host in sorted(set(gpu) | set(storage)):
+        g, s = gpu.get(host, {}), storage.get(host, {})
+        nodes.add_row(host, ", ".join(g.get("gpus") or []) or g.get("driver", ""),
+                      "\n".join(g.get("nccl_conf") or []) or "-", _dd_rate(s.get("write", "")),
+                      f"{_dd_rate(s.get('read', ''))} ({s.get('read_of', '')})",
+                      str(s.get("peer_checksum_matches", "")))
+    tables.append(nodes)
+    if ar := data.get("validate_allreduce"):
+        t = Table(title="validate: all-reduce across the train nodes")
+        for col in ("backend", "nodes", "ranks", "size", "time", "algbw", "busbw", "sum correct"):
+            t.add_column(col)
+        t.add_row(ar["backend"], str(ar["nodes"]), str(ar["world_size"]), f"{ar['bytes'] / 2**20:.0f} MiB",
+                  f"{ar['seconds_min'] * 1e3:.1f} ms", f"{ar['algbw_gbps']:.2f} Gbit/s",
+                  f"{ar['busbw_gbps']:.2f} Gbit/s", str(ar["correct"]))
+        tables.append(t)
+    if inf := data.get("validate_inference"):
+        t = Table(title="validate: inference")
+        for col in ("backends /health", "through the load balancer", "seconds", "text"):
+            t.add_column(col)
+        t.add_row(" ".join(f"{h}={c}" for h, c in (inf.get("backends") or {}).items()), str(inf.get("status")),
+                  f"{float(inf.get('seconds', -1)):.3f}", repr(str(inf.get("text", ""))[:60]))
+        tables.append(t)
+    return tables
+
+
+def _dd_rate(line: str) -> str:
+    # dd's summary: "33554432 bytes (34 MB, 32 MiB) copied, 0.05 s, 671 MB/s"
+    return line.rsplit(",", 1)[-1].strip() if "copied" in line else line
+
+
+def _validate(args: argparse.Namespace) -> int:
+    result, findings = run_validate(args.inventory, allreduce_mb=args.allreduce_mb, limit=args.limit,
+                                    extravars=parse_extra_vars(args.extra_vars),
+                                    on_event=None if args.json else LiveProgress())
+    if args.json:
+        print(json.dumps({**result.to_dict(), "findings": findings}, indent=2))
+    else:
+        console.print(summary_table(result, "validate"))
+        for t in validate_tables(result.data):
+            console.print(t)
+        for f in findings:
+            console.print(f"[red]FAILED[/] {f}", highlight=False)
+    return EXIT_OK if result.success and not findings else EXIT_FAILED_HOSTS

@@ -1,0 +1,50 @@
+"""`shardstack estimate`: per-rank memory of a job at each ZeRO stage, before it runs (formulas: docs/runtime.md)."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+from dataclasses import asdict
+
+from shardstack.errors import ShardstackError
+
+
+def _fmt(n: int) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if abs(n) < 1024 or unit == "TiB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.2f} {unit}"
+        n /= 1024
+    raise AssertionError
+
+
+def register(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("estimate", help="predict per-rank memory for each ZeRO stage")
+    p.add_argument("--config", required=True, help="job.yaml")
+    p.add_argument("--world-size", type=int, default=None, help="data-parallel ranks (default: WORLD_SIZE or 1)")
+    p.add_argument("--stage", type=int, choices=[0, 1, 2, 3], action="append", help="only these stages")
+    p.add_argument("--json", action="store_true", help="one JSON object per stage")
+    p.set_defaults(func=_cmd_estimate)
+
+
+def _cmd_estimate(args: argparse.Namespace) -> int:
+    from shardstack.train.config import load_config
+    from shardstack.train.memory.estimate import estimate
+
+    cfg = load_config(args.config)
+    world = args.world_size or int(os.environ.get("WORLD_SIZE", 1))
+    if world < 1:
+        raise ShardstackError("--world-size must be ≥ 1")
+    results = estimate(cfg, world, stages=args.stage)
+    if args.json:
+        for r in results:
+            print(json.dumps(asdict(r)))
+        return 0
+    print(f"per-rank memory, world size {world}, precision {cfg.engine.precision}, offload {cfg.engine.offload}, "
+          f"micro-batch {results[0].micro_batch} (formulas: docs/runtime.md)")
+    print(f"{'stage':>5} {'params':>11} {'grads':>11} {'optimizer':>11} {'= state':>11} {'working':>11} "
+          f"{'activations':>11} {'peak':>11}")
+    for r in results:
+        print(f"{r.stage:>5} {_fmt(r.params):>11} {_fmt(r.grads):>11} {_fmt(r.optimizer):>11} {_fmt(r.total):>11} "
+              f"{_fmt(r.working_params + r.accumulation_grads):>11} {_fmt(r.activations):>11} {_fmt(r.peak):>11}")
+    return 0

@@ -1,0 +1,124 @@
+"""`shardstack train run` (a job here: alone, or one process per rank under torchrun) and
+`shardstack train submit|status|stop|logs` (jobs on the cluster's train nodes, docs/operations.md)."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import sys
+from pathlib import Path
+
+from rich.table import Table
+
+from shardstack.cli.deploy import add_inventory_arg
+from shardstack.cli.output import EXIT_FAILED_HOSTS, EXIT_OK, LiveProgress, console, summary_table
+from shardstack.errors import ShardstackError
+from shardstack.ops import train as train_ops
+
+log = logging.getLogger("shardstack.train")
+
+
+def register(sub: argparse._SubParsersAction) -> None:
+    train = sub.add_parser("train", help="run a training job here, or manage jobs on the cluster")
+    actions = train.add_subparsers(dest="train_command", metavar="ACTION", required=True)
+
+    run = actions.add_parser("run", help="train from a job.yaml (alone, or one process per rank under torchrun)")
+    run.add_argument("--config", required=True, help="job.yaml")
+    run.add_argument("--max-steps", type=int, default=None, help="stop after this many steps (short runs)")
+    run.set_defaults(func=_run)
+
+    def common(p: argparse.ArgumentParser) -> None:
+        add_inventory_arg(p)
+        p.add_argument("--json", action="store_true", help="print the result as JSON on stdout")
+
+    p = actions.add_parser("submit", help="start a job on the train nodes as shardstack-train@<job> (systemd)")
+    p.add_argument("--config", type=Path, required=True, help="job.yaml (validated here first)")
+    p.add_argument("--name", help="job name (default: the config file's stem)")
+    p.add_argument("--nodes", type=int, default=None, help="use only the first N train nodes")
+    common(p)
+    p.set_defaults(func=_submit)
+
+    p = actions.add_parser("status", help="per-node unit state and the newest logged step")
+    p.add_argument("name")
+    common(p)
+    p.set_defaults(func=_status)
+
+    p = actions.add_parser("stop", help="stop the job on every train node (torchrun stops its workers)")
+    p.add_argument("name")
+    common(p)
+    p.set_defaults(func=_stop)
+
+    p = actions.add_parser("logs", help="the job's journal from every train node")
+    p.add_argument("name")
+    p.add_argument("-n", "--lines", type=int, default=50)
+    common(p)
+    p.set_defaults(func=_logs)
+
+
+def _run(args: argparse.Namespace) -> int:
+    from shardstack.train import dist
+    from shardstack.train.config import load_config
+    from shardstack.train.trainer import train
+
+    if args.max_steps is not None and args.max_steps < 1:
+        raise ShardstackError("--max-steps must be ≥ 1")
+    cfg = load_config(args.config)
+    try:
+        result = train(cfg, args.max_steps)
+    finally:
+        dist.shutdown()
+    log.info("done: step %d, last loss %.4f", result.final_step, result.losses[-1] if result.losses else float("nan"))
+    dist.leave_worker(0)
+    return 0
+
+
+def _submit(args: argparse.Namespace) -> int:
+    name = train_ops.check_job_name(args.name or args.config.stem.lower().replace(".", "-"))
+    config = train_ops.load_job(args.config)
+    result = train_ops.submit(config, name, args.inventory, nodes=args.nodes,
+                              on_event=None if args.json else LiveProgress())
+    if args.json:
+        print(json.dumps({"job": name, **result.to_dict()}, indent=2))
+    else:
+        console.print(summary_table(result, f"train submit {name}"))
+        if result.success:
+            console.print(f"follow it: shardstack train status {name}; shardstack train logs {name}")
+    return EXIT_OK if result.success else EXIT_FAILED_HOSTS
+
+
+def _status(args: argparse.Namespace) -> int:
+    st = train_ops.status(args.name, args.inventory)
+    if args.json:
+        print(json.dumps(st.to_dict(), indent=2))
+        return 0 if st.state != "failed" else 1
+    last = st.last_step
+    table = Table(title=f"job {st.job}: {st.state}" + (f", step {last['step']} loss {last['loss']}" if last else ""))
+    for col in ("host", "state", "result", "agent restarts", "since", "last step"):
+        table.add_column(col)
+    for n in st.nodes:
+        table.add_row(n.host, f"{n.active}/{n.sub}", n.result, str(n.restarts), n.since,
+                      str(n.last_step["step"]) if n.last_step else (n.error or ""))
+    console.print(table)
+    return 0 if st.state != "failed" else 1
+
+
+def _stop(args: argparse.Namespace) -> int:
+    done = train_ops.stop(args.name, args.inventory)
+    if args.json:
+        print(json.dumps(done, indent=2))
+    else:
+        for host, ok in done.items():
+            print(f"{host}: {'stopped' if ok else 'FAILED to stop'}")
+    return 0 if done and all(done.values()) else 1
+
+
+def _logs(args: argparse.Namespace) -> int:
+    out = train_ops.logs(args.name, args.inventory, args.lines)
+    if args.json:
+        print(json.dumps(out, indent=2))
+        return 0
+    for host, text in out.items():
+        for line in text.splitlines():
+            sys.stdout.write(f"{host} | {line}\n")
+    return 0

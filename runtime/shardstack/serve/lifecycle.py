@@ -1,0 +1,206 @@
+"""The service's lifecycle: loading → ready → draining, or loading → failed.
+
+The model loads on a background thread so `/health` can answer 503 while it does; READY=1 goes to systemd once
+the model is warmed up *and* the server listens. `Service` owns the scheduler and everything the routes need to
+decide what to answer; `feed_watchdog` pings systemd's watchdog only while the engine loop makes progress.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hmac
+import logging
+import threading
+import time
+from collections.abc import Callable
+from typing import Any
+
+import torch
+from starlette.requests import Request
+
+from shardstack.serve.metrics import ServeMetrics
+from shardstack.serve.notify import Notifier
+from shardstack.serve.protocol import ApiError, Limits
+from shardstack.serve.sampling import SamplingParams
+from shardstack.serve.scheduler import Output, Scheduler
+from shardstack.serve.settings import ServeSettings, resolve_device, resolve_dtype
+
+log = logging.getLogger(__name__)
+
+
+class Handoff:
+    """Delivers engine events (engine thread) to per-request asyncio queues (event loop).
+
+    The first event of a burst schedules one drain on the loop; the rest of the step's events ride along, so
+    the loop wakes once per engine step rather than once per request per token.
+    """
+
+    def __init__(self) -> None:
+        self.loop: asyncio.AbstractEventLoop | None = None
+        self._pending: list[tuple[asyncio.Queue[Output], Output]] = []
+        self._lock = threading.Lock()
+
+    def to(self, queue: asyncio.Queue[Output]) -> Callable[[Output], None]:
+        if self.loop is None:
+            self.loop = asyncio.get_running_loop()
+        return lambda ev: self._push(queue, ev)
+
+    def _push(self, queue: asyncio.Queue[Output], ev: Output) -> None:
+        with self._lock:
+            self._pending.append((queue, ev))
+            first = len(self._pending) == 1
+        if first:
+            assert self.loop is not None
+            self.loop.call_soon_threadsafe(self._drain)
+
+    def _drain(self) -> None:
+        with self._lock:
+            pending, self._pending = self._pending, []
+        for queue, ev in pending:
+            queue.put_nowait(ev)
+
+
+class Service:
+    """Owns the engine and everything the routes need to decide what to answer."""
+
+    def __init__(self, settings: ServeSettings, notifier: Notifier | None = None) -> None:
+        self.settings = settings
+        self.name = settings.model_name or settings.model_dir.resolve().name
+        self.notifier = notifier or Notifier()
+        self.metrics = ServeMetrics()
+        self.phase = "loading"
+        self.failure: str | None = None
+        self.engine: Scheduler | None = None
+        self.meta: dict[str, Any] = {}
+        self.limits: Limits | None = None
+        self.device: torch.device | None = None
+        self.dtype: torch.dtype | None = None
+        self.on_failure: Callable[[], None] = lambda: None  # the server sets this to stop itself
+        self.handoff = Handoff()
+        self._listening = False
+        self._lock = threading.Lock()
+        self._ready_sent = False
+        self._loader = threading.Thread(target=self._load, name="shardstack-loader", daemon=True)
+
+    # ---- lifecycle ----------------------------------------------------------------------------------------
+    def start_loading(self) -> None:
+        self.notifier.status("loading model")
+        self._loader.start()
+
+    def _load(self) -> None:
+        from shardstack.model.artifact import load_model
+
+        s = self.settings
+        started = time.monotonic()
+        try:
+            self.device = resolve_device(s.device)
+            self.dtype = resolve_dtype(s.dtype, self.device)
+            model, meta = load_model(s.model_dir, self.device, self.dtype)
+            model.eval()
+            context = model.config.seq_len
+            self.limits = Limits(context=context, max_tokens=min(s.max_tokens or context, context - 1))
+            engine = Scheduler(model, max_batch=s.max_concurrency, max_queue=s.max_queue, device=self.device,
+                            dtype=self.dtype, max_prefill_tokens=s.max_prefill_tokens, metrics=self.metrics,
+                            failpoint=s.failpoint)
+            self.metrics.bind_heartbeat(lambda: engine.heartbeat_wall)
+            engine.start()
+            self.engine, self.meta = engine, meta
+            # Warm-up: prefill and decode once so the first client does not pay for allocator and kernel setup.
+            prompt = list(b"warm up")[: max(1, context // 2)]
+            engine.generate(prompt, max(1, min(4, context - len(prompt))), SamplingParams(seed=0), internal=True)
+        except Exception as exc:
+            log.exception("loading the model from %s failed", s.model_dir)
+            self.failure = f"{type(exc).__name__}: {exc}"
+            self.phase = "failed"
+            self.notifier.status(f"failed: {self.failure}")
+            self.on_failure()
+            return
+        log.info("model %s loaded and warmed up in %.1fs on %s (%s): %d params, context %d, %d slots",
+                 self.name, time.monotonic() - started, self.device, str(self.dtype).removeprefix("torch."),
+                 model.num_params(), context, s.max_concurrency)
+        with self._lock:
+            if self.phase == "loading":
+                self.phase = "ready"
+                self.metrics.ready.set(1)
+        self._maybe_ready()
+
+    def mark_listening(self) -> None:
+        self._listening = True
+        self._maybe_ready()
+
+    def _maybe_ready(self) -> None:
+        with self._lock:
+            if self._ready_sent or self.phase != "ready" or not self._listening:
+                return
+            self._ready_sent = True
+        self.notifier.ready(f"serving {self.name}")
+
+    def begin_drain(self) -> bool:
+        """Stop admitting. Returns False if already draining."""
+        with self._lock:
+            if self.phase == "draining":
+                return False
+            self.phase = "draining"
+            self.metrics.ready.set(0)
+        self.notifier.stopping("draining")
+        return True
+
+    def shutdown(self) -> None:
+        if self.engine:
+            self.engine.stop()
+
+    # ---- state the routes read ----------------------------------------------------------------------------
+    def stalled(self) -> float | None:
+        """Heartbeat age if the engine loop has not iterated within the bound, else None."""
+        if self.engine is None:
+            return None
+        age = self.engine.heartbeat_age()
+        return age if age > self.settings.stall_seconds else None
+
+    def alive(self) -> bool:
+        """Whether to feed the systemd watchdog: loading is progress; afterwards the engine loop must be."""
+        if self.phase == "loading":
+            return self._loader.is_alive()
+        return self.engine is not None and self.stalled() is None
+
+    def authorize(self, request: Request) -> None:
+        token = self.settings.token
+        if token is None:
+            return
+        scheme, _, given = request.headers.get("authorization", "").partition(" ")
+        if scheme.lower() != "bearer" or not hmac.compare_digest(given.strip().encode(), token.encode()):
+            raise ApiError(401, "missing or invalid bearer token", "authentication_error",
+                           headers={"WWW-Authenticate": "Bearer"})
+
+    def admitting_engine(self) -> Scheduler:
+        if self.phase == "draining":
+            raise ApiError(503, "server is draining; retry on another replica", "unavailable",
+                           headers={"Retry-After": "1"})
+        if self.phase != "ready" or self.engine is None:
+            raise ApiError(503, f"server is {self.phase}", "unavailable", headers={"Retry-After": "5"})
+        age = self.stalled()
+        if age is not None:
+            raise ApiError(503, f"engine loop has made no progress for {age:.0f}s", "unavailable")
+        return self.engine
+
+
+async def feed_watchdog(service: Service) -> None:
+    """WATCHDOG=1 at half the systemd interval, only while the engine (or the loader) makes progress.
+
+    It runs on the event loop, so a blocked event loop stops the pings too.
+    """
+    interval = service.notifier.watchdog_seconds
+    if not interval:
+        return
+    stalled = False
+    while True:
+        alive = service.alive()
+        if alive:
+            service.notifier.watchdog()
+        if alive == stalled:  # log transitions only
+            stalled = not alive
+            if stalled:
+                log.error("engine loop stalled; withholding the systemd watchdog ping")
+            else:
+                log.warning("engine loop progressing again; watchdog pings resumed")
+        await asyncio.sleep(interval / 2)

@@ -1,0 +1,189 @@
+"""The HTTP routes: OpenAI-compatible completions (plain or server-sent events), health, info, models, metrics."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+import uuid
+from collections.abc import AsyncIterator
+from typing import Any
+
+from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response, StreamingResponse
+from starlette.types import Receive
+
+from shardstack import __version__
+from shardstack.serve.lifecycle import Service
+from shardstack.serve.protocol import ApiError, CompletionRequest, invalid, parse_completion
+from shardstack.serve.scheduler import Output, QueueFull, Scheduler, Sequence
+from shardstack.serve.text import decode, utf8_stream_decoder
+
+COMPLETIONS_PATH = "/v1/completions"
+
+
+def _service(request: Request) -> Service:
+    return request.app.state.service
+
+
+async def health(request: Request) -> JSONResponse:
+    svc = _service(request)
+    if svc.phase != "ready":
+        body: dict[str, Any] = {"status": svc.phase}
+        if svc.failure:
+            body["error"] = svc.failure
+        return JSONResponse(body, status_code=503)
+    age = svc.stalled()
+    if age is not None:
+        return JSONResponse({"status": "stalled", "heartbeat_age_seconds": round(age, 3)}, status_code=503)
+    assert svc.engine is not None
+    running, waiting = svc.engine.counts()
+    return JSONResponse({"status": "ok", "running": running, "waiting": waiting})
+
+
+async def info(request: Request) -> JSONResponse:
+    svc = _service(request)
+    svc.authorize(request)
+    s = svc.settings
+    body: dict[str, Any] = {
+        "model": svc.name,
+        "model_dir": str(s.model_dir),
+        "phase": svc.phase,
+        "version": __version__,
+        "tokenizer": "bytes",
+        "checkpoint": svc.meta.get("source_checkpoint"),
+        "step": svc.meta.get("step"),
+        "dtype": str(svc.dtype).removeprefix("torch.") if svc.dtype else None,
+        "device": str(svc.device) if svc.device else None,
+        "limits": {
+            "max_concurrency": s.max_concurrency,
+            "max_queue": s.max_queue,
+            "max_tokens": svc.limits.max_tokens if svc.limits else None,
+            "context": svc.limits.context if svc.limits else None,
+            "max_body_bytes": s.max_body_bytes,
+        },
+        **s.extra_info,
+    }
+    if svc.engine is not None:
+        body["model_config"] = svc.engine.config.to_dict()
+    return JSONResponse(body)
+
+
+async def models(request: Request) -> JSONResponse:
+    svc = _service(request)
+    svc.authorize(request)
+    return JSONResponse({"object": "list", "data": [{"id": svc.name, "object": "model", "owned_by": "shardstack"}]})
+
+
+async def metrics(request: Request) -> Response:
+    return Response(generate_latest(_service(request).metrics.registry), media_type=CONTENT_TYPE_LATEST)
+
+
+async def _read_body(request: Request, limit: int) -> bytes:
+    declared = request.headers.get("content-length")
+    if declared and declared.isdigit() and int(declared) > limit:
+        raise ApiError(413, f"request body exceeds {limit} bytes", "payload_too_large")
+    body = bytearray()
+    async for chunk in request.stream():
+        body += chunk
+        if len(body) > limit:
+            raise ApiError(413, f"request body exceeds {limit} bytes", "payload_too_large")
+    return bytes(body)
+
+
+async def completions(request: Request) -> Response:
+    svc = _service(request)
+    svc.authorize(request)
+    engine = svc.admitting_engine()
+    media = request.headers.get("content-type", "").split(";")[0].strip().lower()
+    if media != "application/json":
+        raise ApiError(415, "Content-Type must be application/json", "unsupported_media_type")
+    raw = await _read_body(request, svc.settings.max_body_bytes)
+    if not raw.strip():
+        raise invalid("body", "is empty; expected a JSON object")
+    try:
+        data = json.loads(raw)
+    except (ValueError, RecursionError) as exc:  # UnicodeDecodeError and JSONDecodeError are ValueErrors
+        raise invalid("body", f"is not valid JSON ({str(exc)[:120]})") from None
+    assert svc.limits is not None
+    req = parse_completion(data, svc.limits, svc.name)
+
+    events: asyncio.Queue[Output] = asyncio.Queue()
+    seq = Sequence(req.prompt, req.max_tokens, req.sampling, req.stop, emit=svc.handoff.to(events),
+                   stream=req.stream)
+    try:
+        engine.submit(seq)
+    except QueueFull:
+        raise ApiError(429, "server is at capacity; retry later", "rate_limit_exceeded",
+                       headers={"Retry-After": str(engine.retry_after())}) from None
+    meta = {"id": f"cmpl-{uuid.uuid4().hex}", "object": "text_completion", "created": int(time.time()),
+            "model": svc.name}
+    if req.stream:
+        return StreamingResponse(_sse(engine, seq, events, req, meta), media_type="text/event-stream",
+                                 headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+    return await _complete(request, engine, seq, events, req, meta)
+
+
+def _usage(req: CompletionRequest, completion_tokens: int) -> dict[str, int]:
+    return {"prompt_tokens": len(req.prompt), "completion_tokens": completion_tokens,
+            "total_tokens": len(req.prompt) + completion_tokens}
+
+
+def _engine_failure(ev: Output) -> ApiError:
+    if ev.finish_reason == "abort":  # drain ran out of time
+        return ApiError(503, f"request aborted: {ev.error}", "unavailable")
+    return ApiError(500, str(ev.error), "server_error")
+
+
+async def _wait_disconnect(receive: Receive) -> None:
+    while (await receive())["type"] != "http.disconnect":
+        pass
+
+
+async def _complete(request: Request, engine: Scheduler, seq: Sequence, events: asyncio.Queue[Output],
+                    req: CompletionRequest, meta: dict[str, Any]) -> Response:
+    # Watch for the client going away so an abandoned request frees its slot instead of running to max_tokens.
+    gone = asyncio.ensure_future(_wait_disconnect(request.receive))
+    result = asyncio.ensure_future(events.get())  # a non-streamed sequence reports once, when finished
+    try:
+        await asyncio.wait({result, gone}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        gone.cancel()
+    if not result.done():
+        result.cancel()
+        engine.cancel(seq)
+        return Response(status_code=499)  # nobody reads it; uvicorn drops it
+    ev = result.result()
+    if ev.error:
+        raise _engine_failure(ev)
+    choice = {"text": decode(ev.data), "index": 0, "logprobs": None, "finish_reason": ev.finish_reason}
+    return JSONResponse({**meta, "choices": [choice], "usage": _usage(req, ev.completion_tokens)})
+
+
+def _sse_line(obj: Any) -> str:
+    return f"data: {json.dumps(obj, ensure_ascii=False)}\n\n"
+
+
+async def _sse(engine: Scheduler, seq: Sequence, events: asyncio.Queue[Output], req: CompletionRequest,
+               meta: dict[str, Any]) -> AsyncIterator[str]:
+    decoder = utf8_stream_decoder()
+    finished = False
+    try:
+        while not finished:
+            ev = await events.get()
+            if ev.error:  # headers are gone already: report in-band, as OpenAI does
+                err = _engine_failure(ev)
+                yield _sse_line({"error": err.message, "error_type": err.error_type})
+                break
+            finished = ev.finish_reason is not None
+            text = decoder.decode(ev.data, final=finished)
+            if text or finished:
+                choice = {"text": text, "index": 0, "logprobs": None, "finish_reason": ev.finish_reason}
+                yield _sse_line({**meta, "choices": [choice]})
+        if finished and req.include_usage:
+            yield _sse_line({**meta, "choices": [], "usage": _usage(req, ev.completion_tokens)})
+        yield "data: [DONE]\n\n"
+    finally:
+        if not finished:
+            engine.cancel(seq)

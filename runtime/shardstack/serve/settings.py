@@ -1,0 +1,44 @@
+"""The inference service's settings (what `shardstack serve` was told) and how `auto` resolves to a device and
+dtype."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from shardstack.model.dtypes import DTYPES
+
+
+@dataclass
+class ServeSettings:
+    model_dir: Path
+    model_name: str | None = None  # default: the model directory's name
+    max_concurrency: int = 16  # requests decoded together = KV-cache slots; 1 turns batching off
+    max_queue: int = 64  # admitted requests waiting for a slot; beyond that: 429
+    max_tokens: int | None = None  # per-request ceiling; default: the model context
+    max_body_bytes: int = 1 << 20
+    max_prefill_tokens: int = 4096  # padded tokens per prefill batch; bounds the stall it causes to decoding
+    token: str | None = None  # bearer token for /v1/* and /info; None = open
+    device: str = "auto"  # auto | cpu | cuda | cuda:N
+    dtype: str = "auto"  # auto (bf16 on a GPU that has it, else fp32) | float32 | bfloat16 | float16
+    stall_seconds: float = 30.0  # /health turns 503 when the engine loop has not iterated for this long
+    drain_seconds: float = 30.0  # on SIGTERM, how long in-flight requests get before they are aborted
+    failpoint: str | None = None  # test-only fault injection, see scheduler.FAILPOINT_HANG
+    extra_info: dict[str, Any] = field(default_factory=dict)
+
+
+def resolve_device(name: str) -> torch.device:
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    return torch.device(name)
+
+
+def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
+    if name == "auto":
+        if device.type == "cuda" and torch.cuda.is_bf16_supported():
+            return torch.bfloat16
+        return torch.float32
+    return DTYPES[name]

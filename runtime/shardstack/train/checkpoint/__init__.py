@@ -1,0 +1,2 @@
+"""Training checkpoints: the on-disk layout and manifest (`layout`), and the collective save/resume
+(`checkpointer`)."""
