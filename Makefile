@@ -22,6 +22,7 @@ help:
 	@echo "make demo   - set up, boot a 3-node lab, deploy site.yml on it, print a summary"
 	@echo "make test   - set up, lint, unit + distributed + lab tests, molecule, e2e"
 	@echo "make e2e    - the whole cluster on a 3-node lab: deploy, 2-node training, kill a worker, serve (~9 min)"
+	@echo "make bench-NAME [ARGS='…'] - run bench/NAME.py with what it needs (e.g. make bench-vs_deepspeed)"
 	@echo "make lint | unit | molecule | molecule-all | clean"
 
 setup: apt venv
@@ -62,6 +63,22 @@ e2e: setup
 	SHARDSTACK_E2E=1 pytest -x -s tests/e2e
 
 test: lint unit molecule e2e
+
+# Benchmarks: `make bench-memory ARGS='--world-size 2'` runs bench/memory.py from the project venv. DeepSpeed is no
+# shardstack dependency: its comparison gets a bench-only venv in the cache, built here once.
+BENCH_DS_VENV := $(SHARDSTACK_CACHE)/bench-ds-venv
+
+$(BENCH_DS_VENV)/.ready:
+	python3 -m venv $(BENCH_DS_VENV)
+	$(BENCH_DS_VENV)/bin/pip install -q torch==2.13.0 numpy pyyaml
+	DS_BUILD_OPS=0 $(BENCH_DS_VENV)/bin/pip install -q --no-build-isolation deepspeed
+	touch $@
+
+bench-vs_deepspeed: setup $(BENCH_DS_VENV)/.ready
+	$(BIN)/python bench/vs_deepspeed.py --ds-python $(BENCH_DS_VENV)/bin/python $(ARGS)
+
+bench-%: setup
+	$(BIN)/python bench/$*.py $(ARGS)
 
 clean:
 	-for n in $$($(BIN)/shardstack lab list 2>/dev/null); do $(BIN)/shardstack lab down --name $$n; done

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import socket
 import time
 import uuid
 from collections.abc import AsyncIterator
@@ -48,6 +49,7 @@ async def info(request: Request) -> JSONResponse:
     s = svc.settings
     body: dict[str, Any] = {
         "model": svc.name,
+        "host": socket.gethostname(),  # which replica answered, behind a load balancer
         "model_dir": str(s.model_dir),
         "phase": svc.phase,
         "version": __version__,
