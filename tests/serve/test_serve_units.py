@@ -64,6 +64,27 @@ def test_greedy_and_tiny_top_p_pick_the_argmax() -> None:
     assert sample(logits, params, gens) == logits.argmax(-1).tolist()
 
 
+def test_a_row_that_cannot_be_sampled_is_none_and_leaves_its_neighbours_alone() -> None:
+    logits = torch.randn(6, 256, generator=torch.Generator().manual_seed(2))
+    good = [SamplingParams(temperature=0.8, top_p=0.9, seed=i) for i in range(6)]
+    alone = [sample(logits[i : i + 1], good[i : i + 1], [make_generator(i)])[0] for i in range(6)]
+    poisoned = logits.clone()
+    poisoned[1, 17] = float("nan")  # a NaN row
+    poisoned[3, 5] = float("inf")  # a row whose maximum is +inf
+    params = list(good)
+    params[4] = SamplingParams(top_p=1e-300, seed=4)  # positive in float64, 0 in float32: no mass is kept
+    params[5] = SamplingParams(temperature=float("nan"), seed=5)
+    got = sample(poisoned, params, [make_generator(i) for i in range(6)])
+    assert got == [alone[0], None, alone[2], None, None, None]
+
+
+def test_a_tiny_temperature_does_not_overflow() -> None:
+    # logits / 1e-37 overflows float32 for |logits| > 34; shifted by the row maximum first it cannot.
+    logits = torch.tensor([[300.0, 299.0, -300.0], [-50.0, 80.0, 79.0]])
+    params = [SamplingParams(temperature=1e-37, seed=0), SamplingParams(temperature=1e-37, seed=1)]
+    assert sample(logits, params, [make_generator(0), make_generator(1)]) == [0, 1]
+
+
 def test_top_p_draws_only_from_the_nucleus() -> None:
     probs = torch.tensor([0.5, 0.3, 0.15, 0.05])
     logits = probs.log().expand(2000, -1).contiguous()
