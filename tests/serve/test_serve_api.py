@@ -5,36 +5,13 @@ concurrent requests, /info, /health and /metrics."""
 from __future__ import annotations
 
 import json
-import tempfile
-from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
-from pathlib import Path
 
 import httpx
 import pytest
 from shardstack.serve.protocol import ErrorBody
 
-from .conftest import Service, running_service
-
-TOKEN = "s3cret-token"
-AUTH = {"Authorization": f"Bearer {TOKEN}"}
-JSON = {**AUTH, "Content-Type": "application/json"}
-
-
-@pytest.fixture(scope="module")
-def svc(model_dir: Path) -> Iterator[Service]:
-    with tempfile.TemporaryDirectory(prefix="ss-") as tmp:
-        token_file = Path(tmp) / "token"
-        token_file.write_text(TOKEN + "\n")
-        with running_service(model_dir, Path(tmp), "--token-file", str(token_file), "--max-tokens", "64",
-                             "--max-body-bytes", "65536", "--max-concurrency", "8") as s:
-            yield s
-
-
-@pytest.fixture(scope="module")
-def client(svc: Service) -> Iterator[httpx.Client]:
-    with httpx.Client(base_url=svc.url, timeout=60) as c:
-        yield c
+from .conftest import AUTH, JSON, Service
 
 
 def _metric(client: httpx.Client, name: str) -> float:
