@@ -228,6 +228,14 @@ def test_error_body_is_openais_shape() -> None:
     assert len(ApiError(500, "\ud800" * 10**6).json()) < 4 * 512 + 100
 
 
+def test_the_load_balancers_error_bodies_in_the_docs_are_the_services_shape() -> None:
+    # The loadbalancer role writes HAProxy's own 429/503 bodies from docs/serving.md; they must be exactly these.
+    docs = (Path(__file__).parents[2] / "docs" / "serving.md").read_text()
+    for err in (ApiError(429, "rate limit exceeded; retry later", code="rate_limit_exceeded"),
+                ApiError(503, "no inference replica is available; retry later", code="unavailable")):
+        assert f"`{err.json().decode()}`" in docs
+
+
 def test_notifier_sends_datagrams_to_notify_socket(tmp_path: Path) -> None:
     path = tmp_path / "n.sock"
     with socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM) as sock:
