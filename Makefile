@@ -16,13 +16,14 @@ APT_PACKAGES := python3-venv python3-dev debootstrap systemd-container apt-cache
 EXTRAS := train,serve,ops,dev
 STAMP := $(VENV)/.installed-$(shell cat pyproject.toml | sha1sum | cut -c1-12)
 
-.PHONY: help setup apt venv demo test lint unit molecule molecule-all e2e clean
+.PHONY: help setup apt venv demo test lint unit molecule molecule-all e2e gpu-check clean
 
 help:
 	@echo "make demo   - set up, boot a 3-node lab, deploy site.yml on it, print a summary"
 	@echo "make test   - set up, lint, unit + distributed + lab tests, molecule, e2e"
 	@echo "make e2e    - the whole cluster on a 3-node lab: deploy, 2-node training, kill a worker, serve (~9 min)"
 	@echo "make bench-NAME [ARGS='…'] - run bench/NAME.py with what it needs (e.g. make bench-vs_deepspeed)"
+	@echo "make gpu-check - on a machine with NVIDIA GPUs: preflight, driver/CUDA/torch, NCCL training, serving (< 10 min)"
 	@echo "make lint | unit | molecule | molecule-all | clean"
 
 setup: apt venv
@@ -79,6 +80,11 @@ bench-vs_deepspeed: setup $(BENCH_DS_VENV)/.ready
 
 bench-%: setup
 	$(BIN)/python bench/$*.py $(ARGS)
+
+# The GPU path on this machine (bench/gpu_selftest.py): JSON lines, non-zero if a GPU check fails; without NVIDIA
+# hardware only its CPU part runs. Needs only python3-venv, not the lab's packages.
+gpu-check: venv
+	$(BIN)/python bench/gpu_selftest.py
 
 clean:
 	-for n in $$($(BIN)/shardstack lab list 2>/dev/null); do $(BIN)/shardstack lab down --name $$n; done
