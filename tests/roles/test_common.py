@@ -1,5 +1,5 @@
 """shardstack_common: the one home of what the roles share — the CUDA repository and its architecture, the hardware
-fact, the OS-variables preamble with its failure on an unsupported OS."""
+fact, the OS-variables preamble with its failure on an unsupported OS, and the shared paths and service account."""
 
 from __future__ import annotations
 
@@ -12,6 +12,7 @@ from typing import Any
 
 import pytest
 import yaml
+from ansible_vars import dependencies, load_vars
 
 REPO = Path(__file__).resolve().parents[2]
 ROLES = REPO / "roles"
@@ -54,6 +55,71 @@ def test_hardware_fact_from_the_probe(role_eval: Any, find_result: Any, debian_c
     }
 
 
+SHARED_DIR_USERS = {  # role: variable -> what it is given shardstack_shared_dir=/data/shared
+    "shared_storage": {"shared_storage_mount_point": "/data/shared"},
+    "training_runtime": {"training_runtime_shared_dir": "/data/shared"},
+    "inference_service": {"inference_service_model_dir": "/data/shared/exports/current"},
+    "prometheus": {"prometheus_checkpoint_mountpoints": ["/data/shared"]},
+}
+ACCOUNT_USERS = {
+    "os_baseline": ("os_baseline_service_user", "os_baseline_service_group"),
+    "shared_storage": ("shared_storage_owner", "shared_storage_group"),
+    "training_runtime": ("training_runtime_user", "training_runtime_group"),
+    "inference_service": ("inference_service_user", "inference_service_group"),
+}
+
+
+@pytest.mark.parametrize("role", sorted(SHARED_DIR_USERS))
+def test_shared_dir_flows_into_the_roles(role_eval: Any, debian_container: dict, role: str) -> None:
+    for name, want in SHARED_DIR_USERS[role].items():
+        default = role_eval(role, debian_container)[name]
+        assert default == (
+            [w.replace("/data/shared", "/srv/shardstack") for w in want]
+            if isinstance(want, list)
+            else want.replace("/data/shared", "/srv/shardstack")
+        )
+        assert role_eval(role, debian_container, shardstack_shared_dir="/data/shared")[name] == want
+    # The role's own variable still wins over the shared one.
+    name = next(iter(SHARED_DIR_USERS[role]))
+    assert role_eval(role, debian_container, shardstack_shared_dir="/data/shared", **{name: "/x"})[name] == "/x"
+
+
+@pytest.mark.parametrize("role", sorted(ACCOUNT_USERS))
+def test_service_account_flows_into_the_roles(role_eval: Any, debian_container: dict, role: str) -> None:
+    user, group = ACCOUNT_USERS[role]
+    r = role_eval(role, debian_container)
+    assert (r[user], r[group]) == ("shardstack", "shardstack")
+    r = role_eval(role, debian_container, shardstack_user="svc", shardstack_group="ml")
+    assert (r[user], r[group]) == ("svc", "ml")
+
+
+def test_mount_unit_follows_the_shared_dir(role_eval: Any, debian_container: dict) -> None:
+    r = role_eval(
+        "shared_storage",
+        debian_container,
+        shardstack_shared_dir="/data/shared",
+        shared_storage_backend="bind",
+        shared_storage_bind_source="/mnt/lab-shared",
+    )
+    assert r["__shared_storage_unit"] == "data-shared.mount"
+    assert "Where=/data/shared" in r.render("shared.mount.j2").splitlines()
+
+
+def _role_text(role: Path) -> str:
+    return "\n".join(p.read_text() for p in sorted(role.rglob("*")) if p.is_file() and p.suffix in {".yml", ".j2"})
+
+
+SHARED_NAMES = set(load_vars(ROLES / "shardstack_common" / "defaults" / "main.yml"))
+
+
+@pytest.mark.parametrize("role", sorted(p.name for p in ROLES.iterdir() if p.name != "shardstack_common"))
+def test_a_role_that_uses_a_shared_variable_depends_on_shardstack_common(role: str) -> None:
+    """Its defaults come from the dependency, so the role also runs on its own (molecule, include_role)."""
+    used = {n for n in SHARED_NAMES if re.search(rf"\b{n}\b", _role_text(ROLES / role))}
+    deps = [d.name for d in dependencies(ROLES / role)]
+    assert not used or "shardstack_common" in deps, f"{role} uses {sorted(used)} without depending on shardstack_common"
+
+
 # Each concern has one home: these snippets appear in the code of roles/shardstack_common only (comments and
 # meta/ descriptions aside), nowhere in another role or in playbooks/.
 ONE_HOME = {
@@ -64,6 +130,7 @@ ONE_HOME = {
     "the NVIDIA PCI probe": 'contains: "^0x10de$"',
     "the device-node probe": '"^nvidia[0-9]+$"',
     "the InfiniBand probe": "paths: /sys/class/infiniband",
+    "the shared directory": "/srv/shardstack",
 }
 
 
