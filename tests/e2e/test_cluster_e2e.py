@@ -102,7 +102,7 @@ def _prometheus_max(inv: dict, metric: str) -> float | None:
 
 
 def test_two_node_job_survives_a_killed_worker(lab3: Cluster) -> None:
-    job = demo_job(STEPS, cluster.SHARED_DIR, JOB)
+    job = demo_job(STEPS, cluster.shared_dir(lab3.inv), JOB)
     job["checkpoint"]["interval"] = 20
     job["metrics"]["log_every"] = 5
     sub = train.submit(job, JOB, lab3.inventory, nodes=2)
@@ -136,7 +136,7 @@ def test_two_node_job_survives_a_killed_worker(lab3: Cluster) -> None:
 
 
 def test_export_and_serve_through_the_load_balancer(lab3: Cluster) -> None:
-    exp = cluster.export_current(lab3.inventory, cluster.SHARED_DIR + f"/checkpoints/{JOB}", JOB)
+    exp = cluster.export_current(lab3.inventory, cluster.shared_dir(lab3.inv) + f"/checkpoints/{JOB}", JOB)
     assert f"exported step {STEPS}" in exp.output, exp.output
     ro = serve.rollout(lab3.inventory, extravars=lab3.extravars)
     assert ro.success, {h: (r.failed_task, r.message) for h, r in ro.hosts.items()}
@@ -219,8 +219,8 @@ def test_rollout_to_another_step_under_load_fails_no_request(lab3: Cluster) -> N
     assert {i["host"] for i in before} == backends and {i["step"] for i in before} == {STEPS}
     # A different model for the upgrade: the job's previous checkpoint (keep: 2 leaves the last two).
     previous = STEPS - 20
-    exp = cluster.export_current(lab3.inventory, f"{cluster.SHARED_DIR}/checkpoints/{JOB}/step_{previous:08d}",
-                                 f"{JOB}-{previous}")
+    step_dir = f"{cluster.shared_dir(lab3.inv)}/checkpoints/{JOB}/step_{previous:08d}"
+    exp = cluster.export_current(lab3.inventory, step_dir, f"{JOB}-{previous}")
     assert f"exported step {previous}" in exp.output, exp.output
     with Load(url, token) as load:
         ro = serve.rollout(lab3.inventory, extravars=lab3.extravars)
