@@ -159,6 +159,8 @@ def train(cfg: JobConfig, max_steps: int | None = None, *, out=None) -> TrainRes
     tokens_per_step = cfg.batch.global_batch * seq_len
     metrics = MetricsProcessor(cfg.metrics, is_main=info.is_main, device=info.device, world_size=info.world_size,
                                tokens_per_step=tokens_per_step, flops_per_token=flops_per_token, out=out)
+    if ckpt:
+        ckpt.on_space_check = lambda c: metrics.checkpoint_space(free_bytes=c.free_bytes, skipped=c.skipped)
     if info.is_main:
         log.info("stage %d, precision %s, offload %s, global batch %d = micro %d × accumulation %d × world %d; "
                  "steps %d→%d; MFU against %.1f TFLOP/s per device (%s)", engine.stage, cfg.engine.precision,

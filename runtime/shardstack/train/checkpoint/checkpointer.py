@@ -10,6 +10,7 @@ import shutil
 import socket
 import time
 import uuid
+from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
@@ -21,6 +22,7 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.stateful import Stateful
+from torch.distributed.tensor import DTensor
 
 from shardstack.errors import ShardstackError
 from shardstack.train.checkpoint.layout import (
@@ -49,9 +51,25 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("shardstack.checkpoint")
 
+# One more checkpoint needs its estimated size plus this much: shard sizes drift with the world size and the
+# filesystem needs room for its own metadata.
+SPACE_MARGIN_RATIO = 0.10
+SPACE_MARGIN_BYTES = 64 * 2**20
+
+
 class _DistLike(Protocol):
     rank: int
     world_size: int
+
+
+@dataclass(frozen=True)
+class SpaceCheck:
+    """The free-space check before a save, as every rank saw it."""
+
+    step: int
+    free_bytes: int  # the least any rank's checkpoint filesystem reported
+    needed_bytes: int  # the estimated size of one checkpoint plus the margin
+    skipped: bool
 
 
 @dataclass
@@ -59,6 +77,13 @@ class _PendingSave:
     step: int
     future: Future
     started: float = field(default_factory=time.monotonic)
+
+
+def _free_bytes(path: Path) -> int:
+    """Free bytes (for unprivileged writers) on the filesystem `path` is on, or would be on once created."""
+    while not path.exists() and path != path.parent:
+        path = path.parent
+    return shutil.disk_usage(path).free
 
 
 def _quarantine(path: Path, problem: Problem) -> None:
@@ -74,6 +99,7 @@ class Checkpointer:
 
     Every rank must call every method in the same order (they are collective). `stage` and `job_config` are
     recorded in the manifest: the stage for `checkpoint ls`, the job config so `export` knows the model shape.
+    `on_space_check` is called on every rank with each save's `SpaceCheck` (the trainer feeds its metrics).
     """
 
     def __init__(
@@ -84,11 +110,13 @@ class Checkpointer:
         dist: _DistLike | None = None,
         stage: int | None = None,
         job_config: dict[str, Any] | None = None,
+        on_space_check: Callable[[SpaceCheck], None] | None = None,
     ) -> None:
         self.cfg = cfg
         self.config_hash = config_hash
         self.stage = stage
         self.job_config = job_config
+        self.on_space_check = on_space_check
         self.enabled = cfg.dir is not None
         self.root = Path(cfg.dir) if cfg.dir is not None else None
         self._distributed = torch.distributed.is_available() and torch.distributed.is_initialized()
@@ -98,6 +126,9 @@ class Checkpointer:
         )
         self.last_saved_step: int | None = None
         self.last_save_seconds: float | None = None  # blocking time of the last save (staging only when async)
+        self.skipped_saves = 0
+        self._last_skipped_step: int | None = None
+        self._last_total_bytes: int | None = None  # of the newest checkpoint this job committed or resumed (rank 0)
         self._pending: _PendingSave | None = None
         self._executor: ThreadPoolExecutor | None = None
         self._pg = None
@@ -191,6 +222,7 @@ class Checkpointer:
         self._load(path, manifest, app_state)
         step = manifest["step"]
         self.last_saved_step = step
+        self._last_total_bytes = manifest["total_bytes"]
         if self.rank == 0:
             restart = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") or 0)
             log.info(
@@ -280,14 +312,14 @@ class Checkpointer:
         if not self.enabled or self.cfg.interval <= 0 or step % self.cfg.interval:
             self._raise_if_failed()
             return False
-        self.save(step, app_state)
-        return True
+        return self.save(step, app_state)
 
     def finish(self, step: int, app_state: Stateful) -> None:
-        """Save the last step unless it was just saved, then wait for every async save to commit."""
+        """Save the last step unless it was just saved (or just skipped for space), then wait for every async save
+        to commit."""
         if not self.enabled:
             return
-        if step > 0 and self.last_saved_step != step:
+        if step > 0 and step not in (self.last_saved_step, self._last_skipped_step):
             self.save(step, app_state)
         self.wait()
         if self._executor is not None:
@@ -304,13 +336,63 @@ class Checkpointer:
         if self._pending is not None and self._pending.future.done() and self._pending.future.exception():
             self.wait()
 
-    def save(self, step: int, app_state: Stateful) -> None:
+    def _state_bytes(self, state: Any) -> tuple[int, dict[str, int]]:
+        """(bytes of this rank's DTensor shards, {key: bytes} of its plain tensors): DCP writes each plain tensor
+        once however many ranks hold it under the same key, so those are counted as a union over ranks."""
+        sharded, plain = 0, {}
+        stack: list[tuple[str, Any]] = [("", state)]
+        while stack:
+            key, value = stack.pop()
+            if isinstance(value, DTensor):
+                local = value.to_local()
+                sharded += local.numel() * local.element_size()
+            elif isinstance(value, torch.Tensor):
+                plain[key] = value.numel() * value.element_size()
+            elif isinstance(value, dict):
+                stack.extend((f"{key}.{k}", v) for k, v in value.items())
+            elif isinstance(value, list | tuple):
+                stack.extend((f"{key}.{i}", v) for i, v in enumerate(value))
+        return sharded, plain
+
+    def _check_space(self, step: int, state: Any) -> SpaceCheck:
+        """One all-gather, so every rank takes the same decision: the least free space any rank sees against the
+        size of the last checkpoint this job committed or resumed (before the first, the state's tensor bytes)."""
+        assert self.root is not None
+        first = self.last_saved_step is None  # the same on every rank
+        views = self._all_gather((_free_bytes(self.root), self._last_total_bytes,
+                                  self._state_bytes(state) if first else None))
+        if views[0][1] is not None:  # rank 0 committed or resumed it
+            estimate = views[0][1]
+        else:
+            plain: dict[str, int] = {}
+            for *_, (_sharded, local_plain) in views:
+                plain.update(local_plain)
+            estimate = sum(v[2][0] for v in views) + sum(plain.values())
+        needed = int(estimate * (1 + SPACE_MARGIN_RATIO)) + SPACE_MARGIN_BYTES
+        free = min(v[0] for v in views)
+        return SpaceCheck(step=step, free_bytes=free, needed_bytes=needed, skipped=free < needed)
+
+    def save(self, step: int, app_state: Stateful) -> bool:
+        """Save `step` unless the checkpoint filesystem lacks the space for it (then warn and return False)."""
         if not self.enabled:
-            return
+            return False
         assert self.root is not None
         self.wait()  # one save in flight at a time; also surfaces a failed async save
         t0 = time.monotonic()
         state = app_state.state_dict()
+        space = self._check_space(step, state)
+        if self.on_space_check is not None:
+            self.on_space_check(space)
+        if space.skipped:
+            self.skipped_saves += 1
+            self._last_skipped_step = step
+            if self.rank == 0:
+                log.warning(
+                    "skipping the checkpoint of step %d: %s has %.1f MiB free, one checkpoint needs about %.1f MiB "
+                    "(with margin); training goes on, the newest checkpoint stays %s", step, self.root,
+                    space.free_bytes / 2**20, space.needed_bytes / 2**20,
+                    f"step {self.last_saved_step}" if self.last_saved_step is not None else "none")
+            return False
         nonce = self._broadcast(uuid.uuid4().hex[:8] if self.rank == 0 else None)
         tmp = self.root / f"{step_dir_name(step)}.tmp-{nonce}"
         if self.rank == 0:
@@ -331,6 +413,7 @@ class Checkpointer:
                 "staged, writing in the background" if self.cfg.async_save else "committed",
                 self.last_save_seconds,
             )
+        return True
 
     def _finish_async(self, upload: Any, step: int, tmp: Path) -> None:
         future = getattr(upload, "upload_completion", upload)
@@ -391,6 +474,7 @@ class Checkpointer:
                 quarantine(final, existing.problem)
         os.rename(tmp, final)
         fsync_dir(self.root)
+        self._last_total_bytes = manifest["total_bytes"]
         self._prune(final)
 
     def _prune(self, committed: Path) -> None:
