@@ -89,7 +89,7 @@ def test_a_save_that_does_not_fit_is_skipped_and_the_estimate_follows_the_last_c
         assert make_checkpointer(fs / "ckpt", key_file).resume(resumed) == 3
 
 
-def test_the_trainer_keeps_training_when_no_checkpoint_fits_and_exports_the_skips(
+def test_the_trainer_keeps_training_when_no_checkpoint_fits_and_logs_each_skip(
     tmp_path: Path, key_file: Path, caplog: pytest.LogCaptureFixture
 ) -> None:
     data = tmp_path / "data"
