@@ -22,6 +22,7 @@ import yaml
 from shardstack.errors import ShardstackError
 from shardstack.model.factory import ModelConfig
 from shardstack.model.gpt import PRESETS
+from shardstack.train.checkpoint.signing import DEFAULT_KEY_FILE
 
 
 @dataclass
@@ -71,9 +72,12 @@ class BatchConfig:
 class CheckpointConfig:
     dir: str | None = None
     interval: int = 100
-    keep: int = 3
+    keep: int = 3  # the newest N valid checkpoints stay; 0 = keep all
     resume: str = "auto"  # "auto" | "never" | a step directory path
     async_save: bool = False
+    # HMAC key that signs every manifest: on each node, readable by the job's account only, never on shared storage.
+    signing_key_file: str = DEFAULT_KEY_FILE
+    require_signature: bool = True  # false: save and resume unsigned checkpoints (a local single-user run)
 
 
 @dataclass
@@ -135,7 +139,7 @@ _CHECKS: dict[str, tuple[typing.Callable[[Any], bool], str]] = {
     "batch.accumulation": (lambda v: v is None or v >= 1, "an integer ≥ 1 or null"),
     "batch.cpu_memory_budget_mb": (lambda v: v is None or v >= 1, "an integer ≥ 1 or null"),
     "checkpoint.interval": (lambda v: v >= 1, "an integer ≥ 1"),
-    "checkpoint.keep": (lambda v: v >= 1, "an integer ≥ 1"),
+    "checkpoint.keep": (lambda v: v >= 0, "an integer ≥ 0 (0 keeps all)"),
     "metrics.port": (lambda v: v is None or 0 <= v <= 65535, "a port number 0–65535 or null"),
     "metrics.log_every": (lambda v: v >= 1, "an integer ≥ 1"),
     "metrics.peak_tflops": (lambda v: v is None or v > 0, "a number > 0 or null"),

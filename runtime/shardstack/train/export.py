@@ -19,12 +19,15 @@ from typing import Any
 
 import torch
 import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
 from shardstack.errors import ShardstackError
 from shardstack.model import artifact
 from shardstack.model.dtypes import DTYPES
-from shardstack.train.checkpoint.layout import CheckpointInfo, resolve_checkpoint
+from shardstack.train.checkpoint.layout import DCP_METADATA, CheckpointInfo, resolve_checkpoint
+from shardstack.train.checkpoint.reader import CheckpointReader, WeightsOnlyLoadPlanner, dcp_failure
+from shardstack.train.checkpoint.signing import SigningKey
 from shardstack.train.memory.host import peak_rss_bytes
 
 log = logging.getLogger("shardstack.export")
@@ -64,20 +67,22 @@ def _model_fields(manifest: dict[str, Any]) -> dict[str, Any]:
 
 
 def export_checkpoint(
-    checkpoint: str | os.PathLike, out: str | os.PathLike, *, dtype: str = "float32", verify: bool = True
+    checkpoint: str | os.PathLike, out: str | os.PathLike, *, key: SigningKey | None, dtype: str = "float32",
+    verify: bool = True,
 ) -> ExportResult:
-    """Write the artifact to OUT from a checkpoint (a step dir, or a root: its newest valid checkpoint)."""
+    """Write the artifact to OUT from a checkpoint (a step dir, or a root: its newest valid checkpoint). `key` None
+    skips the signature check (an explicit opt-out); `verify` False checks sizes instead of sha256."""
     t0 = time.monotonic()
     if dtype not in DTYPES:
         raise ShardstackError(f"unknown export dtype {dtype!r}", hint=f"one of {', '.join(DTYPES)}")
-    info: CheckpointInfo = resolve_checkpoint(checkpoint, checksums=verify)
+    info: CheckpointInfo = resolve_checkpoint(checkpoint, key=key, checksums=verify)
     assert info.manifest is not None
     fields = _model_fields(info.manifest)
 
-    reader = dcp.FileSystemReader(str(info.path))
+    reader = CheckpointReader(info.path, [n for n in info.manifest["files"] if n != DCP_METADATA])
     metadata = reader.read_metadata().state_dict_metadata
-    shapes = {key[len(MODEL_PREFIX):]: md for key, md in metadata.items()
-              if key.startswith(MODEL_PREFIX) and isinstance(md, TensorStorageMetadata)}
+    shapes = {fqn[len(MODEL_PREFIX):]: md for fqn, md in metadata.items()
+              if fqn.startswith(MODEL_PREFIX) and isinstance(md, TensorStorageMetadata)}
     names = artifact.stored_names(list(shapes), fields)
     if not names:
         raise ShardstackError(f"checkpoint {info.path} holds no model tensors (no '{MODEL_PREFIX}*' keys)")
@@ -88,7 +93,11 @@ def export_checkpoint(
         buf = torch.empty(md.size, dtype=md.properties.dtype)
         with warnings.catch_warnings():
             warnings.filterwarnings("ignore", message=".*assuming the intent is to load in a single process")
-            dcp.load({MODEL_PREFIX + name: buf}, storage_reader=reader, no_dist=True)
+            try:
+                dcp.load({MODEL_PREFIX + name: buf}, storage_reader=reader, planner=WeightsOnlyLoadPlanner(),
+                         no_dist=True)
+            except CheckpointException as exc:
+                raise ShardstackError(f"cannot read {name} from checkpoint {info.path}: {dcp_failure(exc)}") from None
         return buf
 
     config = {"model": fields, "step": info.step, "dtype": dtype, "source_checkpoint": str(info.path),
