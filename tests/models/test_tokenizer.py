@@ -1,18 +1,21 @@
-"""Tokenizers: byte-level BPE trained here, token shards from it, and the incremental detokeniser the inference
-service will stream with."""
+"""Tokenizers: byte-level BPE trained here, token shards from it, a job trained and exported with it, and the
+incremental detokeniser the inference service will stream with."""
 
 from __future__ import annotations
 
+import json
 import random
 from pathlib import Path
 
 import numpy as np
 import pytest
+import torch
 from shardstack.errors import ShardstackError
+from shardstack.model.artifact import load_model
 from shardstack.model.tokenizer import EOS, ByteTokenizer, HFTokenizer, IncrementalDetokenizer, train_bpe
 from shardstack.train.data import CORPUS_DIR, input_files, prepare
 
-from .conftest import shardstack, write_job
+from .conftest import shardstack, step_lines, write_job
 
 VOCAB = 512
 # Beyond the corpus: 2-, 3- and 4-byte UTF-8 characters the BPE never merged, so byte tokens split them.
@@ -78,6 +81,36 @@ def test_prepare_with_the_tokenizer_records_it_and_picks_the_dtype(tokenizer, tm
     meta = prepare(src, tmp_path / "data32", tokenizer=str(big))
     ids = np.fromfile(tmp_path / "data32" / meta["shards"][0]["file"], dtype=np.uint32)
     assert meta["dtype"] == "uint32" and meta["vocab_size"] > 65535 and ids.max() > 65535
+
+
+def test_train_on_bpe_tokens_export_and_load(tokenizer, tmp_path) -> None:
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    proc = shardstack("data", "prepare", "--tokenizer", str(tokenizer), "--out", str(tmp_path / "data"))
+    assert proc.returncode == 0 and "vocabulary 512" in proc.stdout, proc.stderr
+    job = write_job(tmp_path / "job.yaml", model={"arch": "llama", "size": "tiny", "vocab_size": VOCAB, "seq_len": 32},
+                    data={"path": str(tmp_path / "data")}, batch={"global_batch": 4, "micro_batch": 2},
+                    optimizer={"lr": 3e-3}, schedule={"warmup_steps": 0, "total_steps": 8},
+                    checkpoint={"dir": str(tmp_path / "ckpt"), "interval": 8})
+    proc = shardstack("train", "run", "--config", str(job))
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    losses = [s["loss"] for s in step_lines(proc.stdout)]
+    assert len(losses) == 8 and losses[-1] < losses[0]
+    for fmt in ("shardstack", "hf"):
+        proc = shardstack("export", "--checkpoint", str(tmp_path / "ckpt"), "--out", str(tmp_path / fmt),
+                          "--format", fmt)
+        assert proc.returncode == 0, proc.stderr
+    model, meta = load_model(tmp_path / "shardstack")
+    tok = HFTokenizer(tmp_path / "shardstack")
+    assert meta["tokenizer"] == tok.name == HFTokenizer(tokenizer).name
+    theirs_tok = AutoTokenizer.from_pretrained(tmp_path / "hf")
+    text = "Return the value of the attribute."
+    assert theirs_tok(text)["input_ids"] == tok.encode(text) and theirs_tok.eos_token_id == tok.eos_id
+    assert json.loads((tmp_path / "hf" / "generation_config.json").read_text())["eos_token_id"] == tok.eos_id
+    idx = torch.tensor([tok.encode(text)])
+    with torch.no_grad():
+        theirs = AutoModelForCausalLM.from_pretrained(tmp_path / "hf").eval()
+        assert (theirs(idx).logits - model(idx)).abs().max().item() <= 1e-4
 
 
 def test_data_vocabulary_must_fit_the_model(tokenizer, tmp_path) -> None:
