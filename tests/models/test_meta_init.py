@@ -61,7 +61,8 @@ GPT_TINY = {"size": "tiny", "seq_len": 32}
 @pytest.fixture(scope="module")
 def first_losses(tmp_path_factory, byte_data) -> dict[tuple[str, int, int], float]:
     """Step 1 of the trainer (through the CLI, under torchrun) for each (model, world size, stage)."""
-    runs = [("llama", 1, 3), ("llama", 2, 3), ("llama", 4, 3), ("llama", 2, 1), ("gpt", 1, 3), ("gpt", 2, 0)]
+    runs = [("llama", 1, 3), ("llama", 2, 3), ("llama", 4, 3), ("llama", 2, 2), ("llama", 2, 1), ("gpt", 1, 3),
+            ("gpt", 2, 0)]
     out = {}
     for name, world, stage in runs:
         job = write_job(tmp_path_factory.mktemp("job") / "job.yaml", model=LLAMA if name == "llama" else GPT_TINY,
