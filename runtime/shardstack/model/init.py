@@ -78,7 +78,9 @@ def init_parameters(model: nn.Module, seed: int) -> None:
         local, offset = _local_block(p)
         if local.is_meta or local.numel() == 0:
             continue
-        gen = generators.setdefault(local.device, torch.Generator(local.device))
+        if local.device not in generators:
+            generators[local.device] = torch.Generator(local.device)
+        gen = generators[local.device]
         if p.dim() == 0:
             gen.manual_seed(chunk_seed(seed, name, 0))
             model.init_param(name, local.view(1), gen)
