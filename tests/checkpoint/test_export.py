@@ -55,7 +55,7 @@ def test_export_of_an_fsdp_async_checkpoint_equals_the_gathered_full_state_dict(
         torch.testing.assert_close(exported["tok_emb.weight" if name == "lm_head.weight" else name], tensor,
                                    rtol=0, atol=0, msg=name)
     config = json.loads((tmp_path / "out" / "config.json").read_text())
-    assert config == {"model": TINY.to_dict(), "step": 6, "dtype": "float32", "tokenizer": "bytes",
+    assert config == {"arch": "gpt", "model": TINY.to_dict(), "step": 6, "dtype": "float32", "tokenizer": "bytes",
                       "source_checkpoint": str(tmp_path / "ckpt" / "step_00000006")}
 
 

@@ -34,12 +34,17 @@ def register(sub: argparse._SubParsersAction) -> None:
     _key_args(verify)
     verify.set_defaults(func=_verify)
 
-    ex = sub.add_parser("export", help="consolidate a checkpoint into model.safetensors + config.json for serving")
+    ex = sub.add_parser("export", help="consolidate a checkpoint into safetensors: for serving, or for transformers")
     ex.add_argument("--checkpoint", type=Path, required=True,
                     help="a step_XXXXXXXX directory, or a checkpoint root (its newest valid checkpoint)")
     ex.add_argument("--out", type=Path, required=True, help="output directory")
     ex.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"],
                     help="dtype of the exported weights (default float32)")
+    ex.add_argument("--format", dest="fmt", default="shardstack", choices=["shardstack", "hf"],
+                    help="shardstack: what `shardstack serve` loads (default); hf: a Hugging Face directory that "
+                         "transformers' from_pretrained loads (Llama)")
+    ex.add_argument("--tokenizer", default=None, metavar="DIR|bytes",
+                    help="the tokenizer to ship with the model (default: the one the job's data was prepared with)")
     ex.add_argument("--no-verify", action="store_true", help="skip the sha256 check of the checkpoint (sizes only)")
     _key_args(ex)
     ex.set_defaults(func=_export)
@@ -132,10 +137,11 @@ def _export(args: argparse.Namespace) -> int:
 
     key = _key(args)
     tune_allocator()
-    result = export_checkpoint(args.checkpoint, args.out, key=key, dtype=args.dtype, verify=not args.no_verify)
+    result = export_checkpoint(args.checkpoint, args.out, key=key, dtype=args.dtype, verify=not args.no_verify,
+                               fmt=args.fmt, tokenizer=args.tokenizer)
     print(
         f"exported step {result.step}: {result.tensors} tensors, {result.bytes_written / 2**20:.1f} MiB "
-        f"({args.dtype}) to {result.out}/model.safetensors in {result.seconds:.1f}s; "
+        f"({args.dtype}, format {args.fmt}) to {result.out} in {result.seconds:.1f}s; "
         f"peak host memory {result.peak_rss_bytes / 2**20:.0f} MiB, largest tensor "
         f"{result.largest_tensor_bytes / 2**20:.1f} MiB"
     )

@@ -29,8 +29,9 @@ def shard_units(model: nn.Module) -> Sequence[nn.Module]:
 
 
 def parallelize(model: nn.Module, engine_cfg: EngineConfig, dist_info: DistInfo) -> nn.Module:
-    """Wrap `model` (already initialised, identically on every rank) for `engine_cfg.stage`: a DDP wrapper for
-    stages 0/1 (the model moves to the device), or the model itself, sharded in place by FSDP2, for 2/3."""
+    """Wrap `model` for `engine_cfg.stage`: a DDP wrapper for stages 0/1 (the model, initialised identically on every
+    rank, moves to the device), or the model itself, sharded in place by FSDP2, for 2/3 (still on the meta device
+    when the trainer built it there: build_engine materialises the shards afterwards)."""
     stage = engine_cfg.stage
     dev = dist_info.device
     if stage <= 1:

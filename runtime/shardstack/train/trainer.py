@@ -18,13 +18,14 @@ import numpy as np
 import torch
 
 from shardstack.errors import ShardstackError
-from shardstack.model.factory import build_model
+from shardstack.train.build import build_on_meta
 from shardstack.train.config import JobConfig
 from shardstack.train.data import Batches, GlobalSampler, TokenDataset
 from shardstack.train.dist import DistInfo, init_distributed
 from shardstack.train.engine import Engine, build_engine
 from shardstack.train.memory.autobatch import find_micro_batch
 from shardstack.train.memory.estimate import estimate_stage
+from shardstack.train.memory.host import tune_allocator
 from shardstack.train.metrics import MetricsProcessor
 from shardstack.train.optim import make_scheduler
 
@@ -118,12 +119,14 @@ def train(cfg: JobConfig, max_steps: int | None = None, *, out=None) -> TrainRes
     """Train until schedule.total_steps (or `max_steps` more steps). Works alone or under torchrun."""
     out = out or sys.stdout
     info = init_distributed(cfg.engine.device)
+    if info.device.type == "cpu":
+        # FSDP frees and re-allocates every block's gathered weights each step; glibc's adaptive mmap threshold would
+        # keep those buffers in a heap that never shrinks, and the RSS would creep past what the shards need.
+        tune_allocator()
     random.seed(cfg.seed)
     np.random.seed(cfg.seed)
-    torch.manual_seed(cfg.seed)  # the same initial weights on every rank
-    build_on = torch.device("cpu") if cfg.engine.offload == "cpu" else info.device
-    with build_on:
-        model = build_model(cfg.model)
+    # No rank ever holds the whole model: build on meta, shard, then materialise the local shards (build_engine).
+    model, materialize = build_on_meta(cfg.model, cfg.seed)
     seq_len = getattr(getattr(model, "config", None), "seq_len", None)
     if seq_len is None:
         raise ShardstackError("the model has no config.seq_len: the data windows need it")
@@ -137,7 +140,7 @@ def train(cfg: JobConfig, max_steps: int | None = None, *, out=None) -> TrainRes
     flops_per_token = model.flops_per_token() if hasattr(model, "flops_per_token") else \
         6 * sum(p.numel() for p in model.parameters())
 
-    engine = build_engine(model, cfg.engine, cfg.optimizer, info)
+    engine = build_engine(model, cfg.engine, cfg.optimizer, info, materialize=materialize)
     if cfg.batch.micro_batch == "auto":
         micro = find_micro_batch(cfg, engine, seq_len, model_vocab)
     else:
