@@ -2,9 +2,10 @@
 
 site.yml from bare nodes, an idempotent re-run and a check-mode run (0 changed both); a 2-node ZeRO-3 job as the
 systemd unit, one worker killed mid-run and the job resuming from its last checkpoint, its metrics in Prometheus;
-export, the inference tier serving the trained model through HAProxy; one backend stopped under steady load and a
-rolling upgrade to another checkpoint under load, each with zero failed client requests and every backend's /info
-reporting the new step; a hung engine killed by systemd's watchdog and serving again.
+export, the inference tier serving the trained model through HAProxy over HTTPS (verified against the cluster CA);
+one backend stopped under steady load and a rolling upgrade to another checkpoint under load, each with zero failed
+client requests and every backend's /info reporting the new step; a hung engine killed by systemd's watchdog and
+serving again; and, after all of it, no secret in any ansible-runner artifact or molecule file.
 
 Takes ~7–9 min on the idle 2-core host (site.yml's first run, mostly torch going into two venvs, ~3 min; its
 re-run under a minute) and up to 40 min under load. It runs with SHARDSTACK_E2E=1 (`make e2e`, a step of
@@ -13,6 +14,7 @@ re-run under a minute) and up to 40 min under load. It runs with SHARDSTACK_E2E=
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import json
 import os
@@ -162,16 +164,17 @@ def test_export_and_serve_through_the_load_balancer(lab3: Cluster) -> None:
     assert f"exported step {STEPS}" in exp.output, exp.output
     ro = serve.rollout(lab3.inventory, extravars=lab3.extravars)
     assert ro.success, {h: (r.failed_task, r.message) for h, r in ro.hosts.items()}
-    url, token = cluster.lb_url(lab3.inventory), cluster.load_token(lab3.inventory)
-    assert token
-    unauth = cluster.complete(url, "The ", token=None, max_tokens=4)
+    ep = cluster.endpoint(lab3.inventory)
+    assert ep.token and ep.url.startswith("https://") and ep.cafile and ep.cafile.is_file()
+    unauth = cluster.complete(dataclasses.replace(ep, token=None), "The ", max_tokens=4)
     assert unauth.status == 401
     # Sampled like the demo: greedy decoding of a few hundred CPU steps repeats spaces.
-    answers = [cluster.complete(url, "The ", token=token, max_tokens=16, temperature=0.8) for _ in range(10)]
+    answers = [cluster.complete(ep, "The ", max_tokens=16, temperature=0.8) for _ in range(10)]
     assert all(a.status == 200 for a in answers), [a.body for a in answers if a.status != 200]
     assert all(len(a.text) > 0 for a in answers)
     p50 = statistics.median(a.seconds for a in answers)
-    print(f"\ncompletion through the load balancer: p50 {p50 * 1e3:.0f} ms, text {answers[0].text!r}")
+    print(f"\ncompletion through the load balancer at {ep.url} (TLS, CA {ep.cafile.name}): p50 {p50 * 1e3:.0f} ms, "
+          f"text {answers[0].text!r}")
     assert p50 < 0.5
 
 
@@ -180,8 +183,8 @@ class Load:
     counting every status (-1 = connection error). The total stays below the load balancer's per-address rate
     limit (loadbalancer_rate_limit_requests per period, 60/s by default), above which it answers 429 by design."""
 
-    def __init__(self, url: str, token: str, clients: int = 4, rate: float = 40.0) -> None:
-        self.url, self.token, self.clients = url, token, clients
+    def __init__(self, ep: cluster.Endpoint, clients: int = 4, rate: float = 40.0) -> None:
+        self.ep, self.clients = ep, clients
         self.interval = clients / rate
         self.codes: Counter[int] = Counter()
         self.stop = threading.Event()
@@ -191,7 +194,7 @@ class Load:
     def _run(self) -> None:
         while not self.stop.is_set():
             started = time.monotonic()
-            c = cluster.complete(self.url, "Once ", token=self.token, max_tokens=8, timeout=60)
+            c = cluster.complete(self.ep, "Once ", max_tokens=8, timeout=60)
             with self.lock:
                 self.codes[c.status] += 1
             self.stop.wait(self.interval - (time.monotonic() - started))
@@ -210,9 +213,9 @@ class Load:
 
 
 def test_stopping_a_backend_under_load_fails_no_request(lab3: Cluster) -> None:
-    url, token = cluster.lb_url(lab3.inventory), cluster.load_token(lab3.inventory)
+    ep = cluster.endpoint(lab3.inventory)
     victim = lab3.inv["groups"]["inference_nodes"][-1]
-    with Load(url, token) as load:
+    with Load(ep) as load:
         stopped = run_command(["systemctl", "stop", "shardstack-inference.service"], lab3.inventory, victim)
         assert stopped[victim].success
         time.sleep(5)
@@ -224,29 +227,29 @@ def test_stopping_a_backend_under_load_fails_no_request(lab3: Cluster) -> None:
     assert set(load.codes) == {200}, dict(load.codes)
 
 
-def _infos(url: str, token: str, n: int = 12) -> list[dict]:
+def _infos(ep: cluster.Endpoint, n: int = 12) -> list[dict]:
     """/info through the load balancer n times (leastconn alternates between idle backends)."""
     out = []
     for _ in range(n):
-        req = urllib.request.Request(f"{url}/info", headers={"Authorization": f"Bearer {token}"})
-        with urllib.request.urlopen(req, timeout=10) as resp:
-            out.append(json.load(resp))
+        status, body = ep.call("GET", "/info", timeout=10)
+        assert status == 200, body
+        out.append(json.loads(body))
     return out
 
 
 def test_rollout_to_another_step_under_load_fails_no_request(lab3: Cluster) -> None:
-    url, token = cluster.lb_url(lab3.inventory), cluster.load_token(lab3.inventory)
+    ep = cluster.endpoint(lab3.inventory)
     backends = set(lab3.inv["groups"]["inference_nodes"])
-    before = _infos(url, token)
+    before = _infos(ep)
     assert {i["host"] for i in before} == backends and {i["step"] for i in before} == {STEPS}
     # A different model for the upgrade: the job's previous checkpoint (keep: 2 leaves the last two).
     previous = STEPS - 20
     step_dir = f"{cluster.shared_dir(lab3.inv)}/checkpoints/{JOB}/step_{previous:08d}"
     exp = cluster.export_current(lab3.inventory, step_dir, f"{JOB}-{previous}")
     assert f"exported step {previous}" in exp.output, exp.output
-    with Load(url, token) as load:
+    with Load(ep) as load:
         ro = serve.rollout(lab3.inventory, extravars=lab3.extravars)
-    after = _infos(url, token)
+    after = _infos(ep)
     print(f"\nserve rollout to step {previous} under load in {ro.seconds:.0f}s: {dict(load.codes)}; "
           f"/info after: {sorted((i['host'], i['step']) for i in after)}")
     assert ro.success, {h: (r.failed_task, r.message) for h, r in ro.hosts.items()}
@@ -296,12 +299,53 @@ def test_a_hung_engine_is_killed_by_the_watchdog_and_serves_again(lab3: Cluster)
     assert run_command(["sh", "-c", disarm], lab3.inventory, victim)[victim].success
     state = _backend_show(lab3, victim, "ActiveState,SubState")
     assert state == {"ActiveState": "active", "SubState": "running"}, state
-    url, token = cluster.lb_url(lab3.inventory), cluster.load_token(lab3.inventory)
+    ep = cluster.endpoint(lab3.inventory)
     deadline = time.monotonic() + 60
-    while {i["host"] for i in _infos(url, token, 6)} != set(lab3.inv["groups"]["inference_nodes"]):
+    while {i["host"] for i in _infos(ep, 6)} != set(lab3.inv["groups"]["inference_nodes"]):
         assert time.monotonic() < deadline, "the restarted backend did not come back behind the load balancer"
         time.sleep(2)
-    answers = [cluster.complete(url, "The ", token=token, max_tokens=8) for _ in range(6)]
+    answers = [cluster.complete(ep, "The ", max_tokens=8) for _ in range(6)]
     print(f"\n{victim}: engine hung, killed by the watchdog after {waited:.0f}s (client saw "
           f"{hung.stdout.strip() or 'no error'}), NRestarts {restarts} -> {after}; then {[a.status for a in answers]}")
     assert all(a.status == 200 for a in answers)
+
+
+def _secrets(credentials: Path) -> dict[str, str]:
+    """What must never be logged, from a controller store: generated tokens and passwords, and each line of a key."""
+    found = {}
+    for path in sorted(credentials.glob("*.txt")):
+        text = path.read_text()
+        if "PRIVATE KEY" in text:
+            lines = enumerate(text.splitlines())
+            found.update({f"{path.name} line {i}": line for i, line in lines if "-----" not in line})
+        elif "-----BEGIN" not in text and text.strip():
+            found[path.name] = text.strip()
+    return found
+
+
+def test_no_secret_in_any_runner_artifact_or_molecule_file(lab3: Cluster) -> None:
+    """Last: every ansible-runner artifact of the project (this module's deploys, check run, job, rollouts, ad-hoc
+    commands) and every file molecule keeps for this checkout's scenarios, searched for this cluster's secrets and
+    for each scenario's own, the credential stores themselves excepted."""
+    from molecule.text import checksum
+
+    # Molecule's ephemeral directories for this checkout (one per scenario; it names them after the project's
+    # directory). A scenario's credentials live there until its destroy prunes them.
+    molecule = sorted((Path.home() / ".ansible" / "tmp").glob(f"molecule.{checksum(project_dir().name, 4)}.*"))
+    stores = [lab3.inventory.parent / "credentials", *(m / "inventory" / "credentials" for m in molecule)]
+    secrets = {f"{store}: {name}": value for store in stores if store.is_dir()
+               for name, value in _secrets(store).items()}
+    assert any("inference-token.txt" in k for k in secrets) and any("cluster-ca.key.txt" in k for k in secrets)
+    assert any("loadbalancer-stats.txt" in k for k in secrets)
+    places = [project_dir() / "artifacts", *molecule]
+    files = [p for place in places if place.is_dir() for p in place.rglob("*")
+             if p.is_file() and not any(store in p.parents for store in stores)]
+    leaks = {}
+    for path in files:
+        text = path.read_text(errors="replace")
+        hits = [name for name, value in secrets.items() if value in text]
+        if hits:
+            leaks[str(path)] = hits
+    print(f"\nsecrets scan: {len(secrets)} secret(s) from {len(stores)} store(s), {len(files)} file(s) under "
+          f"{', '.join(str(p) for p in places if p.is_dir())}: {len(leaks)} leak(s)")
+    assert not leaks, leaks

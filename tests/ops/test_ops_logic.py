@@ -71,6 +71,9 @@ def test_validate_passes_only_with_every_check() -> None:
         "storage: n1 read different bytes than n2 wrote"]
     assert validate_findings({**GOOD, "validate_inference": {"status": 503}}) == [
         "inference: load balancer answered 503"]
+    tls = "Request failed: <urlopen error [SSL: CERTIFICATE_VERIFY_FAILED] certificate verify failed>"
+    assert validate_findings({**GOOD, "validate_inference": {"status": -1, "text": tls}}) == [
+        f"inference: load balancer answered -1: {tls}"]
 
 
 def test_demo_job_is_a_valid_stage3_config() -> None:
