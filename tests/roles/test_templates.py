@@ -158,6 +158,17 @@ def test_nvidia_apt_pin_cuda_repo_keeps_the_distributions_driver_out(role_eval: 
     assert "Pin: release o=Ubuntu\n" in text and "src:nvidia-graphics-drivers-580-server" in text
 
 
+@pytest.mark.parametrize(("driver_cuda", "version", "pin"), [("13.0", "", "*+cuda13.*"), ("12.2", "", "*+cuda12.*"),
+                                                           ("13.0", "2.27.7-1+cuda13.0", "2.27.7-1+cuda13.0")])
+def test_nccl_apt_pin_holds_the_drivers_cuda_major_or_the_version(
+    role_eval: Any, hardware: Any, debian_container: dict, driver_cuda: str, version: str, pin: str
+) -> None:
+    r = role_eval("nccl", debian_container, shardstack_hardware=hardware(), nccl_version=version,
+                  nvidia_driver_compat={"branch": "580", "driver_cuda": driver_cuda})
+    lines = _lines(r.render("apt-preferences.j2"))
+    assert lines[-3:] == ["Package: libnccl2 libnccl-dev", f"Pin: version {pin}", "Pin-Priority: 1001"]
+
+
 def test_dcgm_unit_uses_the_nodes_host_engine(role_eval: Any, hardware: Any, debian_container: dict) -> None:
     gpu = hardware(pci=("/sys/bus/pci/devices/0000:3b:00.0/vendor",))
     r = role_eval("dcgm_exporter", debian_container, shardstack_hardware=gpu)
