@@ -35,6 +35,7 @@ def _driver(version: str) -> dict[str, tuple[str, str, str]]:
 
 # A newer 535 than Debian's, the 580 branch, and NCCL beside them.
 NVIDIA = {**_driver("535.288.01-1"), "libnccl2": ("2.27.7-1+cuda13.0", "nccl", "")}
+NCCL_CU12 = {"libnccl2": ("2.27.7-1+cuda12.9", "nccl", "")}  # the same NCCL built for CUDA 12
 NVIDIA_580 = {**_driver("580.65.06-1"),
               "cuda-drivers-580": ("580.65.06-1", "cuda-drivers", "nvidia-smi (= 580.65.06-1), libcuda1")}
 
@@ -74,7 +75,7 @@ def archives(tmp_path_factory: pytest.TempPathFactory) -> Iterator[int]:
                                            Codename="bookworm", Components="non-free", Architectures="amd64"))
     flat = root / "nvidia"
     flat.mkdir()
-    (flat / "Packages").write_text(_packages(NVIDIA, NVIDIA_580))
+    (flat / "Packages").write_text(_packages(NVIDIA, NVIDIA_580, NCCL_CU12))
     (flat / "Release").write_text(_release("NVIDIA", flat / "Packages", "Packages", Architectures="amd64"))
     handler = functools.partial(_Quiet, directory=str(root))
     server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), handler)
@@ -85,7 +86,8 @@ def archives(tmp_path_factory: pytest.TempPathFactory) -> Iterator[int]:
         server.shutdown()
 
 
-def _apt(tmp_path: Path, port: int, preferences: str | None) -> dict[str, Any]:
+def _apt(tmp_path: Path, port: int, preferences: str | None,
+         names: tuple[str, ...] = ("nvidia-smi", "libcuda1")) -> dict[str, Any]:
     """apt-get update against both archives in a private apt state, then the policy and a simulated install."""
     state = tmp_path / "state"
     for d in ("lists/partial", "cache/archives/partial", "prefs"):
@@ -112,8 +114,8 @@ def _apt(tmp_path: Path, port: int, preferences: str | None) -> dict[str, Any]:
         return proc.stdout
 
     run("apt-get", "update", "-q")
-    policy = run("apt-cache", "policy", "nvidia-smi", "libcuda1")
-    simulated = run("apt-get", "install", "--simulate", "--no-install-recommends", "nvidia-smi", "libcuda1")
+    policy = run("apt-cache", "policy", *names)
+    simulated = run("apt-get", "install", "--simulate", "--no-install-recommends", *names)
     inst = {line.split()[1]: line for line in simulated.splitlines() if line.startswith("Inst ")}
     return {"policy": policy, "inst": inst}
 
@@ -150,3 +152,15 @@ def test_cuda_repo_driver_never_from_debian(
     # The helper NVIDIA's packages depend on still comes from Debian (only the driver's own sources are blocked).
     assert "(20220217+3~deb12u1 Debian:" in got["inst"]["nvidia-support"]
     assert got["policy"].count("535.261.03-1 -1\n        500 http://localhost:") == 2
+
+
+@pytest.mark.parametrize(("driver_cuda", "want"), [("12.8", "2.27.7-1+cuda12.9"), ("13.0", "2.27.7-1+cuda13.0")])
+def test_nccl_held_to_the_drivers_cuda_major(
+    archives: int, tmp_path: Path, role_eval: Any, hardware: Any, debian_container: dict, driver_cuda: str, want: str
+) -> None:
+    """nccl's pin: of the same NCCL built for CUDA 12.9 and 13.0, a branch-570 node (CUDA 12.8) gets the CUDA 12
+    build; without the pin apt takes the CUDA 13 one, which that driver cannot run."""
+    assert "(2.27.7-1+cuda13.0 NVIDIA:" in _apt(tmp_path / "none", archives, None, ("libnccl2",))["inst"]["libnccl2"]
+    pin = role_eval("nccl", debian_container, shardstack_hardware=hardware(),
+                    nvidia_driver_compat={"branch": "570", "driver_cuda": driver_cuda}).render("apt-preferences.j2")
+    assert f"({want} NVIDIA:" in _apt(tmp_path, archives, pin, ("libnccl2",))["inst"]["libnccl2"]
