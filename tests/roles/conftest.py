@@ -26,11 +26,6 @@ DEBIAN12_CONTAINER: dict[str, Any] = {
 }
 
 
-def found(*paths: str) -> dict[str, Any]:
-    """What ansible.builtin.find registers for the given matches."""
-    return {"files": [{"path": p} for p in paths], "matched": len(paths)}
-
-
 def probed(pci: tuple[str, ...] = (), devnodes: tuple[str, ...] = (), rdma: tuple[str, ...] = (),
            nvswitch: tuple[str, ...] = ()) -> dict[str, Any]:
     """The fact `shardstack_hardware` as the shardstack_common probe records it: the vendor files of the NVIDIA
@@ -48,11 +43,6 @@ def debian_container() -> dict[str, Any]:
 @pytest.fixture
 def role_eval() -> type[RoleEval]:
     return RoleEval
-
-
-@pytest.fixture
-def find_result() -> Any:
-    return found
 
 
 @pytest.fixture
