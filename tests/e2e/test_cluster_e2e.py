@@ -3,9 +3,10 @@
 site.yml from bare nodes, an idempotent re-run and a check-mode run (0 changed both); a 2-node ZeRO-3 job as the
 systemd unit, one worker killed mid-run and the job resuming from its last checkpoint, its metrics in Prometheus;
 export, the inference tier serving the trained model through HAProxy over HTTPS (verified against the cluster CA);
-one backend stopped under steady load and a rolling upgrade to another checkpoint under load, each with zero failed
-client requests and every backend's /info reporting the new step; a hung engine killed by systemd's watchdog and
-serving again; and, after all of it, no secret in any ansible-runner artifact or molecule file.
+validate with no finding; one backend stopped under steady load and a rolling upgrade to another checkpoint under
+load, each with zero failed client requests and every backend's /info reporting the new step; a hung engine killed
+by systemd's watchdog and serving again; and, after all of it, no secret in any ansible-runner artifact or molecule
+file.
 
 Takes ~7–9 min on the idle 2-core host (site.yml's first run, mostly torch going into two venvs, ~3 min; its
 re-run under a minute) and up to 40 min under load. It runs with SHARDSTACK_E2E=1 (`make e2e`, a step of
@@ -29,11 +30,13 @@ from collections import Counter
 from pathlib import Path
 
 import pytest
+from shardstack.cli.deploy import _gpu_cell
 from shardstack.cli.output import Progress
 from shardstack.lab import lab
 from shardstack.ops import cluster, serve, train
 from shardstack.ops.runner import RunResult, project_dir, run_command, run_playbook
 from shardstack.ops.train import demo_job
+from shardstack.ops.validate import run_validate
 from shardstack.ops.wheelhouse import build as build_wheelhouse
 
 pytestmark = [
@@ -176,6 +179,18 @@ def test_export_and_serve_through_the_load_balancer(lab3: Cluster) -> None:
     print(f"\ncompletion through the load balancer at {ep.url} (TLS, CA {ep.cafile.name}): p50 {p50 * 1e3:.0f} ms, "
           f"text {answers[0].text!r}")
     assert p50 < 0.5
+
+
+def test_validate_finds_nothing_on_the_lab(lab3: Cluster) -> None:
+    """`shardstack validate` on the served cluster: every node a CPU node, gloo across the two train nodes."""
+    res, findings = run_validate(lab3.inventory)
+    gpu, ar = res.data.get("validate_gpu") or {}, res.data.get("validate_allreduce") or {}
+    print(f"\nvalidate in {res.seconds:.0f}s: findings {findings}; all-reduce {ar.get('backend')} over "
+          f"{ar.get('nodes')} nodes, busbw {ar.get('busbw_gbps', 0):.2f} Gbit/s")
+    assert findings == [], findings
+    assert set(gpu) == set(lab3.inv["groups"]["train_nodes"]) | set(lab3.inv["groups"]["inference_nodes"])
+    assert all(_gpu_cell(r).startswith("no NVIDIA hardware (CPU node)") for r in gpu.values()), gpu
+    assert ar["backend"] == "gloo" and ar["nodes"] == ar["world_size"] == 2 and ar["correct"] is True
 
 
 class Load:
