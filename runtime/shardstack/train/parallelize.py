@@ -8,6 +8,7 @@ DDP's hooks stay outside the checkpointed and compiled region.
 from __future__ import annotations
 
 import functools
+import warnings
 from collections.abc import Sequence
 
 import torch
@@ -50,7 +51,8 @@ def inductor_problem(device_type: str) -> str | None:
     backend traceback at the first forward. Caches are off so the probe really invokes the toolchain.
     """
     try:
-        with torch.compiler.config.patch(force_disable_caches=True):
+        with torch.compiler.config.patch(force_disable_caches=True), warnings.catch_warnings():
+            warnings.filterwarnings("ignore", message="dynamo_pgo force disabled")  # the caches being off, as meant
             torch.compile(lambda x: x * 2 + 1, fullgraph=True)(torch.ones(8, device=device_type))
     except Exception as exc:  # the backend raises whatever its toolchain raised
         lines = str(exc).strip().splitlines()

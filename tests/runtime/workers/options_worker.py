@@ -21,6 +21,7 @@ from shardstack.train.config import EngineConfig, OptimizerConfig
 from shardstack.train.dist import init_distributed, leave_worker, shutdown
 from shardstack.train.engine import build_engine
 from shardstack.train.parallelize import inductor_problem
+from torch._dynamo.utils import counters
 from torch.distributed.tensor import DTensor
 
 MODEL = GPTConfig(n_layer=3, n_head=3, d_model=36, seq_len=15)  # 3 blocks: every_n 2 recomputes blocks 0 and 2
@@ -94,11 +95,13 @@ def main() -> None:
     for name, (engine_kw, optim_kw) in VARIANTS.items():
         if engine_kw.get("compile") and problem:
             continue  # the test skips with the reason recorded above
+        graphs = counters["stats"]["unique_graphs"]
         eng = new_engine(stage, info, engine_kw, optim_kw)
         before = full_params(eng)
         losses = train(eng, info, data[:STEPS])
         res["variants"][name] = {"losses": losses, "params": full_params(eng), "initial": before,
-                                 "keys": sorted(eng.state_dict()["model"])}
+                                 "keys": sorted(eng.state_dict()["model"]),
+                                 "graphs": counters["stats"]["unique_graphs"] - graphs}  # Dynamo graphs compiled
         engines[name] = eng
     if stage == 0:  # stage 1's local AdamW gets the same kernels: (fused, foreach) as ZeroRedundancyOptimizer built it
         res["zero_defaults"] = {impl: tuple(new_engine(1, info, {}, {"impl": impl}).optimizer.optim.defaults[k]
