@@ -1,13 +1,17 @@
-"""The memory estimator's formulas (the measured side is in test_distributed.py)."""
+"""The memory estimator's formulas, and its per-block activation count against the tensors autograd saves. The
+measured side: test_distributed.py (the persistent part, per stage) and bench/memory.py (the peaks)."""
 
 from __future__ import annotations
 
 import json
 
+import pytest
 import torch
 from shardstack.cli import main
-from shardstack.train.config import config_from_dict
-from shardstack.train.memory.estimate import estimate, local_elements, zero_partition
+from shardstack.model.gpt import GPT, GPTConfig
+from shardstack.train.config import EngineConfig, config_from_dict
+from shardstack.train.memory.estimate import SAVED_PER_BLOCK, estimate, local_elements, zero_partition
+from shardstack.train.parallelize import prepare_blocks
 
 
 def test_fsdp_chunking_rule():
@@ -38,7 +42,136 @@ def test_offload_moves_state_off_the_device():
     e = {r.stage: r for r in estimate(config_from_dict({"engine": {"offload": "cpu"}}), 2)}
     on_device = {r.stage: r for r in estimate(config_from_dict({}), 2)}
     assert e[0].offloaded == 0 and e[0].peak == on_device[0].peak  # offload applies to FSDP stages only
-    assert e[3].offloaded == e[3].total and e[3].peak == on_device[3].peak - e[3].total
+    # The host keeps the state and runs the step: the device holds the working set and the activations.
+    assert e[3].offloaded == e[3].total
+    assert e[3].peak == e[3].working_params + e[3].accumulation_grads + e[3].activations
+    assert e[3].peak == on_device[3].peak - on_device[3].params - on_device[3].optimizer
+
+
+SMALL = {"model": {"size": "small"}, "batch": {"global_batch": 4, "micro_batch": 2}}  # 4 layers, d 128, seq 256
+SHORT = {"model": {"size": "small", "seq_len": 64}, "batch": {"global_batch": 2, "micro_batch": 1}}  # few activations
+
+
+def _one(cfg: dict, stage: int = 3, world: int = 2):
+    return estimate(config_from_dict(cfg), world, stages=[stage])[0]
+
+
+def test_activation_checkpointing_accounting():
+    """none: every block keeps 16·t (t = b·s·d·e); full: each keeps its input t, plus one block recomputed in
+    backward (16·t); every_n: blocks 0, N, 2N … are recomputed. Backward adds one block's activation gradients
+    (9·t at mlp_ratio 4) and the head its logits, log-softmax and gradient (b·s·V·(e + 8))."""
+    t = 2 * 256 * 128 * 4
+    head = 9 * t + 2 * 256 * 256 * (4 + 8)
+    acts = {mode: _one({**SMALL, "engine": {"activation_checkpointing": mode, **extra}})
+            for mode, extra in [("none", {}), ("full", {}), ("every_n", {"activation_checkpointing_every": 3})]}
+    assert SAVED_PER_BLOCK == 16
+    assert (acts["none"].checkpointed_blocks, acts["full"].checkpointed_blocks,
+            acts["every_n"].checkpointed_blocks) == (0, 4, 2)  # every 3rd of 4 blocks: 0 and 3
+    assert acts["none"].activations == 4 * 16 * t + head
+    assert acts["full"].activations == 4 * t + 16 * t + head
+    assert acts["every_n"].activations == 2 * 16 * t + 2 * t + 16 * t + head
+    # Only the activations move: state, working set and the optimizer's share are the same.
+    for e in acts.values():
+        assert (e.total, e.working_params, e.optimizer_temporaries) == (
+            acts["none"].total, acts["none"].working_params, acts["none"].optimizer_temporaries)
+    assert acts["none"].peak > acts["every_n"].peak > acts["full"].peak
+
+
+def _saved_bytes(engine: EngineConfig, cfg: GPTConfig, b: int) -> int:
+    """Bytes of the distinct non-parameter storages autograd saves in one forward (outside checkpointed regions,
+    whose saves are replaced by recomputation)."""
+    torch.manual_seed(0)
+    model = GPT(cfg)
+    prepare_blocks(model.blocks, engine, torch.device("cpu"))
+    storages: dict[int, int] = {}
+
+    def pack(t: torch.Tensor) -> torch.Tensor:
+        storages[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
+        return t
+
+    x = torch.randint(0, cfg.vocab_size, (b, cfg.seq_len))
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        model(x, x)
+    params = {p.untyped_storage().data_ptr() for p in model.parameters()}
+    return sum(n for ptr, n in storages.items() if ptr not in params)
+
+
+@pytest.mark.parametrize(("mode", "every", "recomputed"), [("full", None, 4), ("every_n", 2, 2), ("every_n", 3, 2)])
+def test_checkpointing_drops_what_the_estimator_says(mode, every, recomputed):
+    """Autograd really saves less, and by what the estimator counts per block: a recomputed block no longer keeps
+    its 16·b·s·d·e; it keeps its input (b·s·d·e), which checkpoint saves for the recompute."""
+    cfg, b = GPTConfig(n_layer=4, n_head=4, d_model=64, seq_len=32), 2
+    none = _saved_bytes(EngineConfig(), cfg, b)
+    ac = _saved_bytes(EngineConfig(activation_checkpointing=mode, activation_checkpointing_every=every), cfg, b)
+    token = b * cfg.seq_len * cfg.d_model * 4
+    expected_drop = recomputed * (SAVED_PER_BLOCK - 1) * token
+    # What the formula leaves out: LayerNorm's mean and rstd and the attention's log-sum-exp (4 + n_head floats per
+    # token and block, 1.3% of a block here).
+    assert none - ac == pytest.approx(expected_drop, rel=0.02), (none, ac, expected_drop)
+
+
+def test_compile_changes_no_figure():
+    assert _one({**SMALL, "engine": {"compile": True}}) == _one(SMALL)
+
+
+def test_optimizer_temporaries_by_kernel():
+    """foreach: sqrt(exp_avg_sq) for the largest param group (on this rank); for_loop: two temporaries of the
+    largest tensor; fused: none. Stage 0 holds every tensor: the decay group is all matrices."""
+    d, layers, vocab, seq = 128, 4, 256, 256
+    matrices = layers * 12 * d * d + vocab * d + seq * d  # blocks' Linear weights, tied embedding, positions
+    temps = {impl: _one({**SMALL, "optimizer": {"impl": impl}}, stage=0).optimizer_temporaries
+             for impl in ("foreach", "for_loop", "fused")}
+    assert temps == {"foreach": 4 * matrices, "for_loop": 2 * 4 * 4 * d * d, "fused": 0}
+    # auto resolves by device, as make_optimizer does: foreach on CPU, fused on CUDA (unless offloaded).
+    assert _one({**SMALL, "engine": {"device": "cpu"}}).optimizer_impl == "foreach"
+    assert _one({**SMALL, "engine": {"device": "cuda"}}).optimizer_impl == "fused"
+    assert _one({**SMALL, "engine": {"device": "cuda", "offload": "cpu"}}).optimizer_impl == "foreach"
+
+
+def test_peak_is_the_larger_transient():
+    """Activations are freed before optimizer.step: the peak adds the larger of the two, not both. With full
+    checkpointing and short sequences the foreach temporaries exceed the activations; fused has none."""
+    ac = {"activation_checkpointing": "full", "device": "cpu"}
+    foreach = _one({**SHORT, "engine": ac}, stage=0)
+    fused = _one({**SHORT, "engine": ac, "optimizer": {"impl": "fused"}}, stage=0)
+    assert foreach.optimizer_temporaries > foreach.activations
+    assert foreach.peak == foreach.total + foreach.optimizer_temporaries
+    assert fused.peak == fused.total + fused.activations
+    # The first step builds AdamW's state inside optimizer.step: forward/backward ran without it.
+    assert foreach.first_step_peak == foreach.peak
+    assert fused.first_step_peak == fused.total < fused.peak
+    none = _one({**SMALL, "engine": {"device": "cpu"}}, stage=0)
+    assert none.first_step_peak == none.peak - none.optimizer  # activations dominate: no AdamW state then
+
+
+def test_fsdp_gradients_build_up_in_backward():
+    """FSDP2's sharded gradients do not exist at the start of backward (zero_grad freed them); with full
+    checkpointing the highest point is the last block's backward, with all of them reduced."""
+    none = _one({**SMALL, "engine": {"device": "cpu"}}, stage=3)
+    start = none.params + none.optimizer + none.working_params + none.activations
+    assert none.peak == start  # activations dominate
+    full = _one({**SHORT, "engine": {"device": "cpu", "activation_checkpointing": "full"}}, stage=3)
+    t = 1 * 64 * 128 * 4
+    late = full.params + full.optimizer + full.grads + full.working_params + (16 + 9) * t
+    assert full.peak == late > full.params + full.optimizer + full.working_params + full.activations
+
+
+def test_init_peak():
+    """Every rank builds the whole model (4E) before wrapping. DDP then broadcasts it through a flattened bucket
+    (≤ 250 MiB) and allocates its gradient buckets (4E: counted at once on CUDA, resident on CPU only once
+    written); fully_shard copies out one unit's shard at a time."""
+    cpu = {r.stage: r for r in estimate(config_from_dict({**SMALL, "engine": {"device": "cpu"}}), 2)}
+    cuda = {r.stage: r for r in estimate(config_from_dict({**SMALL, "engine": {"device": "cuda"}}), 2)}
+    four_e = cpu[0].params
+    assert cpu[0].init_peak == cpu[1].init_peak == 2 * four_e  # the broadcast bucket holds the whole (small) model
+    assert cuda[0].init_peak == 2 * four_e  # max(bucket, gradient buckets): equal here
+    block_shard = 4 * (12 * 128 * 128 + 2 * 128) // 2  # the Linear weights and two LayerNorm weights
+    assert cpu[3].init_peak == cpu[2].init_peak == four_e + block_shard
+    big = {r.stage: r for r in estimate(config_from_dict({"model": {"size": "gpt-1.3b"}, "engine": {"device": "cuda"}}),
+                                        8, stages=[0])}
+    assert big[0].init_peak == 2 * big[0].params  # gradient buckets (4E > 250 MiB) counted on CUDA
+    big_cpu = estimate(config_from_dict({"model": {"size": "gpt-1.3b"}, "engine": {"device": "cpu"}}), 8, stages=[0])
+    assert big_cpu[0].init_peak == big_cpu[0].params + 250 * 2**20
 
 
 def test_cli_json(tmp_path, capsys):

@@ -44,7 +44,7 @@ def pick_cpu(cfg: JobConfig, engine: Engine, per_rank: int, seq_len: int, budget
     for mb in divisors_desc(per_rank):
         est = estimate_stage(engine.module, engine.cfg, engine.stage, engine.dist.world_size, engine.dist.rank,
                              weight_decay=cfg.optimizer.weight_decay, micro_batch=mb, seq_len=seq_len,
-                             accumulation=per_rank // mb)
+                             accumulation=per_rank // mb, optimizer_impl=cfg.optimizer.impl)
         if est.peak <= budget:
             return mb
     raise_no_fit(budget)

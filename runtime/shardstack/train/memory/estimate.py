@@ -1,5 +1,5 @@
-"""Per-rank memory estimator: what each ZeRO stage keeps of parameters, gradients and optimizer states, plus a
-working-set and activation estimate. The formulas (docs/runtime.md, "Memory estimator"):
+"""Per-rank memory estimator: what each ZeRO stage keeps of parameters, gradients and optimizer states, plus the
+working set, activations and optimizer temporaries of a step. The formulas (docs/runtime.md, "Memory estimator"):
 
   E = Σ elements of the parameters (tied weights once), T = number of parameter tensors, N = world size,
   shard_r(t) = elements of tensor t on rank r when split on dim 0 as FSDP2 does (torch.chunk: ⌈d0/N⌉ rows per rank)
@@ -10,11 +10,13 @@ working-set and activation estimate. The formulas (docs/runtime.md, "Memory esti
   stage 2/3 params 4·Σ shard_r   grads 4·Σ shard_r    AdamW 8·Σ shard_r + 4T
 
 Master params, gradients and states stay fp32 under every precision (bf16/fp16 only change the compute copies).
-Beyond that persistent state, a step also needs the working parameters: stage 2 holds every block unsharded in
-the compute dtype from forward to backward, stage 3 only (1 + prefetch) blocks plus the root; with
-accumulation_sync "last" FSDP2 also holds unsharded fp32 gradients on non-final micro-batches. Activations per
-micro-batch are approximated as L·b·s·d·(34·e/2) for the blocks plus b·s·V·(e + 8) for logits and the loss
-(e = bytes of the compute dtype; Korthikanti et al. 2022 without the attention matrix, which SDPA never stores).
+Forward/backward adds the working parameters (stage 2: every block unsharded in the compute dtype from forward to
+backward; stage 3: (1 + prefetch) blocks plus the root), with accumulation_sync "last" on FSDP2 unsharded fp32
+gradients on non-final micro-batches, and the activations (`activation_bytes`); the optimizer step adds AdamW's
+temporaries (`optimizer_temporaries`) and, on FSDP2 stages, the sharded gradients, which exist only from backward
+to zero_grad. The activations are freed before the step, so the peak is what a rank holds between steps plus the
+larger of the two (bench/memory.py measures it). torch.compile changes none of this: compiled blocks save the
+same tensors for backward, and parameters and optimizer are untouched.
 """
 
 from __future__ import annotations
@@ -28,10 +30,13 @@ from torch import nn
 from shardstack.model.dtypes import to_dtype
 from shardstack.model.factory import build_model
 from shardstack.train.config import EngineConfig, JobConfig
-from shardstack.train.optim import optimizer_param_groups
-from shardstack.train.parallelize import shard_units
+from shardstack.train.optim import auto_impl, optimizer_param_groups
+from shardstack.train.parallelize import checkpointed_blocks, shard_units
 
 FP32 = 4
+# d-wide tensors per token a block saves for backward (activation_bytes); tests/runtime checks it against autograd.
+SAVED_PER_BLOCK = 16
+DDP_BROADCAST_BUCKET = 250 * 2**20  # DDP flattens what it broadcasts at construction into buckets of this size
 
 
 @dataclass
@@ -46,9 +51,14 @@ class StageEstimate:
     working_params: int  # unsharded compute-dtype parameters resident during forward/backward
     accumulation_grads: int  # extra unsharded gradients held on non-final micro-batches ("last" sync, FSDP)
     activations: int  # per micro-batch, approximate
-    peak: int  # total + working + accumulation + activations (host bytes when offloaded excluded)
+    optimizer_impl: str  # fused | foreach | for_loop, as the run resolves optimizer.impl
+    optimizer_temporaries: int  # transient bytes inside optimizer.step
+    peak: int  # the highest point of a step once AdamW's state exists: what micro_batch auto must fit
+    first_step_peak: int  # the first step's, lower: AdamW's state is created in its optimizer.step
+    init_peak: int  # while the engine is built: the whole model as built on every rank, plus DDP's buffers
     offloaded: int  # of `total`, what CPUOffloadPolicy keeps in host memory
     micro_batch: int
+    checkpointed_blocks: int  # blocks whose activations are recomputed in backward
 
 
 def _chunk_rows(rows: int, world: int, rank: int) -> int:
@@ -76,57 +86,128 @@ def zero_partition(groups: list[list[torch.Tensor]], world: int) -> list[list[to
     return owned
 
 
-def activation_bytes(model: nn.Module, micro_batch: int, seq_len: int, compute_bytes: int) -> int:
+def activation_bytes(model: nn.Module, micro_batch: int, seq_len: int, compute_bytes: int,
+                     checkpointed: int = 0) -> int:
+    """Bytes of activations at the start of backward for one micro-batch, `checkpointed` of the blocks recomputed.
+
+    A block keeps 16·b·s·d·e (SAVED_PER_BLOCK: this GPT's saved tensors are 8 d-wide ones — the two LayerNorm
+    inputs, their outputs as Linear inputs, the attention output — plus q, k, v and the two 4d-wide MLP tensors);
+    a checkpointed block keeps only its input (b·s·d·e), and in backward one block at a time is recomputed in full.
+    Backward through a block adds the gradients of its activations: (1 + 2·mlp_ratio)·b·s·d·e (the MLP's two wide
+    ones and the block's output). The head keeps the logits and, in fp32, their log-softmax and its gradient:
+    b·s·V·(e + 8).
+    """
+    n_layer, token, block, logits = _activation_terms(model, micro_batch, seq_len, compute_bytes)
+    saved = SAVED_PER_BLOCK * token
+    kept = (n_layer - checkpointed) * saved + checkpointed * token + (saved if checkpointed else 0)
+    return kept + block - saved + logits
+
+
+def _activation_terms(model: nn.Module, micro_batch: int, seq_len: int, compute_bytes: int) -> tuple[int, ...]:
+    """(layers, one d-wide tensor, one block in backward: its saved tensors and their gradients, the head)."""
     cfg = getattr(model, "config", None)
     n_layer = getattr(cfg, "n_layer", len(getattr(model, "blocks", [])))
-    d = getattr(cfg, "d_model", 0)
-    vocab = getattr(cfg, "vocab_size", 0)
-    blocks = n_layer * micro_batch * seq_len * d * 34 * compute_bytes // 2
-    logits = micro_batch * seq_len * vocab * (compute_bytes + 8)
-    return blocks + logits
+    token = micro_batch * seq_len * getattr(cfg, "d_model", 0) * compute_bytes
+    block = (SAVED_PER_BLOCK + 1 + 2 * getattr(cfg, "mlp_ratio", 4)) * token
+    logits = micro_batch * seq_len * getattr(cfg, "vocab_size", 0) * (compute_bytes + 8)
+    return n_layer, token, block, logits
+
+
+def optimizer_temporaries(groups: list[list[int]], impl: str) -> int:
+    """Bytes AdamW allocates transiently inside `step`, from the per-group local element counts of each tensor.
+
+    foreach: one sqrt(exp_avg_sq) list per parameter group (grouped by device and dtype: 4 bytes × the group's
+    elements), freed before the next group; for_loop: sqrt and the division for one tensor at a time (2 × 4 bytes
+    × the largest tensor); fused: none.
+    """
+    if impl == "foreach":
+        return FP32 * max((sum(g) for g in groups), default=0)
+    if impl == "for_loop":
+        return 2 * FP32 * max((n for g in groups for n in g), default=0)
+    return 0
 
 
 def estimate_stage(model: nn.Module, engine: EngineConfig, stage: int, world: int, rank: int, *,
-                   weight_decay: float, micro_batch: int, seq_len: int, accumulation: int = 1) -> StageEstimate:
+                   weight_decay: float, micro_batch: int, seq_len: int, accumulation: int = 1,
+                   optimizer_impl: str = "auto", device_type: str | None = None) -> StageEstimate:
+    """One rank's bytes at `stage`. `device_type` is where the model trains (default: where its parameters are);
+    `optimizer_impl` "auto" resolves as make_optimizer does."""
     params = [p for p in model.parameters() if p.requires_grad]
+    device_type = device_type or (params[0].device.type if params else "cpu")
+    # Offloaded parameters live on the host, and so does their optimizer step.
+    impl = optimizer_impl if optimizer_impl != "auto" else auto_impl("cpu" if engine.offload == "cpu" else device_type)
     n_elem = sum(p.numel() for p in params)
     n_tensors = len(params)
     compute_bytes = torch.empty((), dtype=to_dtype(engine.precision)).element_size()
     units = shard_units(model)
     root_elem = n_elem - sum(p.numel() for u in units for p in u.parameters())
+    groups = [g["params"] for g in optimizer_param_groups(model, weight_decay)]
     accumulation_grads = 0
     if stage <= 1:
         p_b = g_b = FP32 * n_elem
         if stage == 0:
             o_b = 2 * FP32 * n_elem + FP32 * n_tensors
+            local_groups = [[p.numel() for p in g] for g in groups]
         else:
-            groups = [g["params"] for g in optimizer_param_groups(model, weight_decay)]
-            mine = zero_partition(groups, world)[rank]
-            o_b = sum(2 * FP32 * p.numel() + FP32 for p in mine)
+            mine = {id(p) for p in zero_partition(groups, world)[rank]}
+            o_b = sum(2 * FP32 * p.numel() + FP32 for g in groups for p in g if id(p) in mine)
+            local_groups = [[p.numel() for p in g if id(p) in mine] for g in groups]
         working = 0 if engine.precision == "fp32" else compute_bytes * n_elem  # autocast's cached casts
+        # Beside the model, DDP's construction broadcasts it through a flattened bucket and then allocates the
+        # gradient buckets (4E). The CUDA allocator counts those at once; on CPU their pages become resident only
+        # when the first backward writes them.
+        buckets = FP32 * n_elem if device_type == "cuda" else 0
+        init = FP32 * n_elem + max(min(FP32 * n_elem, DDP_BROADCAST_BUCKET), buckets)
     else:
         shard = sum(local_elements(p, world, rank) for p in params)
         p_b = g_b = FP32 * shard
         o_b = 2 * FP32 * shard + FP32 * n_tensors
+        local_groups = [[local_elements(p, world, rank) for p in g] for g in groups]
         block_elem = max(sum(p.numel() for p in u.parameters()) for u in units)
-        if stage == 2:
-            working = compute_bytes * n_elem
-        else:
-            working = compute_bytes * (root_elem + min(len(units), 1 + engine.prefetch) * block_elem)
+        # Backward reshards each block once its gradients are reduced, at either stage, so late in backward only
+        # the root and (1 + prefetch) blocks are gathered — stage 3's working set all along.
+        late_working = compute_bytes * (root_elem + min(len(units), 1 + engine.prefetch) * block_elem)
+        working = compute_bytes * n_elem if stage == 2 else late_working
         if accumulation > 1 and engine.accumulation_sync == "last":
             accumulation_grads = FP32 * n_elem
+        # Every rank builds the whole model; fully_shard copies out each unit's shard before freeing its tensors.
+        init = FP32 * (n_elem + max(sum(local_elements(p, world, rank) for p in u.parameters()) for u in units))
     total = p_b + g_b + o_b
     offloaded = total if engine.offload == "cpu" else 0
-    act = activation_bytes(model, micro_batch, seq_len, compute_bytes)
+    checkpointed = len(checkpointed_blocks(len(units), engine.activation_checkpointing,
+                                           engine.activation_checkpointing_every))
+    act = activation_bytes(model, micro_batch, seq_len, compute_bytes, checkpointed)
+    temps = optimizer_temporaries(local_groups, impl)
+    fwd_bwd = working + accumulation_grads + act  # at the start of backward
+    if offloaded:  # the host holds the state and runs the step; the device sees forward/backward only
+        peak = first = fwd_bwd
+    else:
+        # Between steps a rank holds parameters, AdamW state and, on DDP stages, the gradient buckets (they outlive
+        # zero_grad); FSDP2's sharded gradients exist from the reduce-scatter in backward until zero_grad, when the
+        # activations are already freed. Before the first optimizer.step there is no AdamW state.
+        held = p_b + o_b + (g_b if stage <= 1 else 0)
+        if stage >= 2:
+            # As backward frees activations, the sharded gradients build up: with checkpointing (few activations
+            # kept) the highest point is the last block's backward, with nearly all gradients reduced.
+            fwd_bwd = max(fwd_bwd, g_b + late_working + _activation_terms(model, micro_batch, seq_len,
+                                                                          compute_bytes)[2])
+        at_step = (g_b if stage >= 2 else 0) + temps
+        peak = held + max(fwd_bwd, at_step)
+        first = held - o_b + max(fwd_bwd, o_b + at_step)
     return StageEstimate(stage=stage, world_size=world, rank=rank, params=p_b, grads=g_b, optimizer=o_b, total=total,
                          working_params=working, accumulation_grads=accumulation_grads, activations=act,
-                         peak=total - offloaded + working + accumulation_grads + act, offloaded=offloaded,
-                         micro_batch=micro_batch)
+                         optimizer_impl=impl, optimizer_temporaries=temps, peak=peak, first_step_peak=first,
+                         init_peak=init, offloaded=offloaded, micro_batch=micro_batch,
+                         checkpointed_blocks=checkpointed)
 
 
 def estimate(cfg: JobConfig, world: int, *, stages: list[int] | None = None, rank: int | None = None,
              micro_batch: int | None = None) -> list[StageEstimate]:
-    """One estimate per stage; `rank=None` reports the rank that holds the most (ranks differ only by rounding)."""
+    """One estimate per stage; `rank=None` reports the rank that holds the most (ranks differ only by rounding).
+
+    The device is the config's (`auto`: CUDA if this machine has it), which decides `optimizer.impl: auto`."""
+    device_type = cfg.engine.device if cfg.engine.device != "auto" else \
+        "cuda" if torch.cuda.is_available() else "cpu"
     with torch.device("meta"):
         model = build_model(cfg.model)
     seq_len = model.config.seq_len if hasattr(model, "config") else 0
@@ -138,6 +219,7 @@ def estimate(cfg: JobConfig, world: int, *, stages: list[int] | None = None, ran
                               "offload": cfg.engine.offload if stage >= 2 else "none"})
         ranks = [rank] if rank is not None else range(world)
         per_rank = [estimate_stage(model, eng, stage, world, r, weight_decay=cfg.optimizer.weight_decay,
-                                   micro_batch=mb, seq_len=seq_len, accumulation=accum) for r in ranks]
-        out.append(max(per_rank, key=lambda e: e.total))
+                                   micro_batch=mb, seq_len=seq_len, accumulation=accum,
+                                   optimizer_impl=cfg.optimizer.impl, device_type=device_type) for r in ranks]
+        out.append(max(per_rank, key=lambda e: e.peak))
     return out
