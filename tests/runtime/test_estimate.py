@@ -57,24 +57,29 @@ def _one(cfg: dict, stage: int = 3, world: int = 2):
 
 
 def test_activation_checkpointing_accounting():
-    """none: every block keeps 16·t (t = b·s·d·e); full: each keeps its input t, plus one block recomputed in
-    backward (16·t); every_n: blocks 0, N, 2N … are recomputed. Backward adds one block's activation gradients
-    (9·t at mlp_ratio 4) and the head its logits, log-softmax and gradient (b·s·V·(e + 8))."""
+    """none: every block keeps 16·t (t = b·s·d·e); a recomputed block keeps its input t and gets its other 15·t
+    back when backward reaches it, after the blocks above it were freed. Backward adds one block's activation
+    gradients (9·t at mlp_ratio 4) and the head its logits, log-softmax and gradient (b·s·V·(e + 8))."""
     t = 2 * 256 * 128 * 4
     head = 9 * t + 2 * 256 * 256 * (4 + 8)
-    acts = {mode: _one({**SMALL, "engine": {"activation_checkpointing": mode, **extra}})
-            for mode, extra in [("none", {}), ("full", {}), ("every_n", {"activation_checkpointing_every": 3})]}
+    acts = {name: _one({**SMALL, "engine": engine}) for name, engine in [
+        ("none", {}),
+        ("full", {"activation_checkpointing": "full"}),
+        ("every3", {"activation_checkpointing": "every_n", "activation_checkpointing_every": 3}),
+        ("every2", {"activation_checkpointing": "every_n", "activation_checkpointing_every": 2})]}
     assert SAVED_PER_BLOCK == 16
-    assert (acts["none"].checkpointed_blocks, acts["full"].checkpointed_blocks,
-            acts["every_n"].checkpointed_blocks) == (0, 4, 2)  # every 3rd of 4 blocks: 0 and 3
+    assert [acts[k].checkpointed_blocks for k in ("none", "full", "every3", "every2")] == [0, 4, 2, 2]
     assert acts["none"].activations == 4 * 16 * t + head
-    assert acts["full"].activations == 4 * t + 16 * t + head
-    assert acts["every_n"].activations == 2 * 16 * t + 2 * t + 16 * t + head
+    assert acts["full"].activations == 4 * t + 15 * t + head  # at the last block's backward
+    # every 3rd of 4 blocks (0 and 3): the last block is recomputed first, with all others kept
+    assert acts["every3"].activations == (t + 16 * t + 16 * t + t) + 15 * t + head
+    # blocks 0 and 2: block 3 (kept) is freed before block 2 is recomputed, so the start of backward is highest
+    assert acts["every2"].activations == (t + 16 * t + t + 16 * t) + head
     # Only the activations move: state, working set and the optimizer's share are the same.
     for e in acts.values():
         assert (e.total, e.working_params, e.optimizer_temporaries) == (
             acts["none"].total, acts["none"].working_params, acts["none"].optimizer_temporaries)
-    assert acts["none"].peak > acts["every_n"].peak > acts["full"].peak
+    assert acts["none"].peak > acts["every3"].peak > acts["every2"].peak > acts["full"].peak
 
 
 def _saved_bytes(engine: EngineConfig, cfg: GPTConfig, b: int) -> int:

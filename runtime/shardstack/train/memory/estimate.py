@@ -22,6 +22,7 @@ same tensors for backward, and parameters and optimizer are untouched.
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 from dataclasses import asdict, dataclass
 
 import torch
@@ -48,7 +49,7 @@ class StageEstimate:
     grads: int
     optimizer: int
     total: int  # params + grads + optimizer: what the local shards hold between steps
-    working_params: int  # unsharded compute-dtype parameters resident during forward/backward
+    working_params: int  # unsharded compute-dtype parameters during forward/backward (FSDP: + a block's gradients)
     accumulation_grads: int  # extra unsharded gradients held on non-final micro-batches ("last" sync, FSDP)
     activations: int  # per micro-batch, approximate
     optimizer_impl: str  # fused | foreach | for_loop, as the run resolves optimizer.impl
@@ -87,20 +88,23 @@ def zero_partition(groups: list[list[torch.Tensor]], world: int) -> list[list[to
 
 
 def activation_bytes(model: nn.Module, micro_batch: int, seq_len: int, compute_bytes: int,
-                     checkpointed: int = 0) -> int:
-    """Bytes of activations at the start of backward for one micro-batch, `checkpointed` of the blocks recomputed.
+                     checkpointed: Sequence[int] = ()) -> int:
+    """The activations' high point in forward/backward for one micro-batch, the `checkpointed` blocks recomputed.
 
-    A block keeps 16·b·s·d·e (SAVED_PER_BLOCK: this GPT's saved tensors are 8 d-wide ones — the two LayerNorm
-    inputs, their outputs as Linear inputs, the attention output — plus q, k, v and the two 4d-wide MLP tensors);
-    a checkpointed block keeps only its input (b·s·d·e), and in backward one block at a time is recomputed in full.
-    Backward through a block adds the gradients of its activations: (1 + 2·mlp_ratio)·b·s·d·e (the MLP's two wide
-    ones and the block's output). The head keeps the logits and, in fp32, their log-softmax and its gradient:
-    b·s·V·(e + 8).
+    A block keeps 16·t, t = b·s·d·e (SAVED_PER_BLOCK: this GPT's saved tensors are 8 d-wide ones — the two LayerNorm
+    inputs, their outputs as Linear inputs, the attention output — plus q, k, v and the two 4d-wide MLP tensors); a
+    checkpointed block keeps only its input (t). Backward runs the blocks last to first, each block's tensors freed
+    after it; a checkpointed block first gets back the 15·t beside its input. Backward through a block adds the
+    gradients of its activations, (1 + 2·mlp_ratio)·t (the MLP's two wide ones and the block's output), and the
+    head keeps the logits and, in fp32, their log-softmax and its gradient: b·s·V·(e + 8).
     """
     n_layer, token, block, logits = _activation_terms(model, micro_batch, seq_len, compute_bytes)
-    saved = SAVED_PER_BLOCK * token
-    kept = (n_layer - checkpointed) * saved + checkpointed * token + (saved if checkpointed else 0)
-    return kept + block - saved + logits
+    saved, recomputed = SAVED_PER_BLOCK * token, set(checkpointed)
+    high = kept = 0
+    for i in range(n_layer):  # the blocks' share when backward reaches block i
+        kept += token if i in recomputed else saved
+        high = max(high, kept + (saved - token if i in recomputed else 0))
+    return high + block - saved + logits
 
 
 def _activation_terms(model: nn.Module, micro_batch: int, seq_len: int, compute_bytes: int) -> tuple[int, ...]:
@@ -164,19 +168,21 @@ def estimate_stage(model: nn.Module, engine: EngineConfig, stage: int, world: in
         o_b = 2 * FP32 * shard + FP32 * n_tensors
         local_groups = [[local_elements(p, world, rank) for p in g] for g in groups]
         block_elem = max(sum(p.numel() for p in u.parameters()) for u in units)
-        # Backward reshards each block once its gradients are reduced, at either stage, so late in backward only
-        # the root and (1 + prefetch) blocks are gathered — stage 3's working set all along.
-        late_working = compute_bytes * (root_elem + min(len(units), 1 + engine.prefetch) * block_elem)
-        working = compute_bytes * n_elem if stage == 2 else late_working
+        # Backward holds a block's unsharded gradients (or the fp32 reduce-scatter input copied from them) until
+        # they are reduced, and reshards each block then, at either stage: late in backward only the root and
+        # (1 + prefetch) blocks are gathered — stage 3's working set all along.
+        staging = FP32 * block_elem
+        late_working = compute_bytes * (root_elem + min(len(units), 1 + engine.prefetch) * block_elem) + staging
+        working = compute_bytes * n_elem + staging if stage == 2 else late_working
         if accumulation > 1 and engine.accumulation_sync == "last":
             accumulation_grads = FP32 * n_elem
         # Every rank builds the whole model; fully_shard copies out each unit's shard before freeing its tensors.
         init = FP32 * (n_elem + max(sum(local_elements(p, world, rank) for p in u.parameters()) for u in units))
     total = p_b + g_b + o_b
     offloaded = total if engine.offload == "cpu" else 0
-    checkpointed = len(checkpointed_blocks(len(units), engine.activation_checkpointing,
-                                           engine.activation_checkpointing_every))
-    act = activation_bytes(model, micro_batch, seq_len, compute_bytes, checkpointed)
+    recomputed = checkpointed_blocks(len(units), engine.activation_checkpointing,
+                                     engine.activation_checkpointing_every)
+    act = activation_bytes(model, micro_batch, seq_len, compute_bytes, recomputed)
     temps = optimizer_temporaries(local_groups, impl)
     fwd_bwd = working + accumulation_grads + act  # at the start of backward
     if offloaded:  # the host holds the state and runs the step; the device sees forward/backward only
@@ -198,7 +204,7 @@ def estimate_stage(model: nn.Module, engine: EngineConfig, stage: int, world: in
                          working_params=working, accumulation_grads=accumulation_grads, activations=act,
                          optimizer_impl=impl, optimizer_temporaries=temps, peak=peak, first_step_peak=first,
                          init_peak=init, offloaded=offloaded, micro_batch=micro_batch,
-                         checkpointed_blocks=checkpointed)
+                         checkpointed_blocks=len(recomputed))
 
 
 def estimate(cfg: JobConfig, world: int, *, stages: list[int] | None = None, rank: int | None = None,
