@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import secrets
 import subprocess
 import sys
 import tempfile
@@ -19,9 +20,9 @@ from pathlib import Path
 
 SAVE = textwrap.dedent("""
     import sys, warnings
-    from types import SimpleNamespace
     import torch
     from shardstack.train.checkpoint.checkpointer import Checkpointer
+    from shardstack.train.config import CheckpointConfig
     from shardstack.model.gpt import GPT, GPTConfig, PRESETS
     warnings.simplefilter("ignore")
     config = GPTConfig(**PRESETS[sys.argv[2]])
@@ -30,12 +31,13 @@ SAVE = textwrap.dedent("""
     class Weights:
         def state_dict(self): return {"model": model.state_dict()}
         def load_state_dict(self, sd): raise AssertionError
-    cfg = SimpleNamespace(dir=sys.argv[1], interval=1, keep=1, resume="never", async_save=False)
+    cfg = CheckpointConfig(dir=sys.argv[1], interval=1, keep=1, resume="never", signing_key_file=sys.argv[3])
     Checkpointer(cfg, config_hash="bench", job_config={"model": config.to_dict()}).save(1, Weights())
 """)
 
 EXPORT = textwrap.dedent("""
     import json, sys, warnings
+    from shardstack.train.checkpoint.signing import load_signing_key
     from shardstack.train.export import export_checkpoint
     from shardstack.train.memory.host import tune_allocator
     warnings.simplefilter("ignore")
@@ -44,7 +46,7 @@ EXPORT = textwrap.dedent("""
         f.write("5")  # reset VmHWM to the current RSS: the baseline is the process after its imports
     status = open("/proc/self/status").read().splitlines()
     before = int(next(l for l in status if l.startswith("VmRSS:")).split()[1]) * 1024
-    r = export_checkpoint(sys.argv[1], sys.argv[2], dtype=sys.argv[3])
+    r = export_checkpoint(sys.argv[1], sys.argv[2], key=load_signing_key(sys.argv[4]), dtype=sys.argv[3])
     print(json.dumps({"before": before, "peak": r.peak_rss_bytes, "largest": r.largest_tensor_bytes,
                       "written": r.bytes_written, "tensors": r.tensors, "seconds": r.seconds}))
 """)
@@ -56,9 +58,11 @@ def main() -> int:
     p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
     args = p.parse_args()
     with tempfile.TemporaryDirectory(prefix="shardstack-export-bench-") as tmp:
-        ckpt, out = Path(tmp) / "ckpt", Path(tmp) / "out"
-        subprocess.run([sys.executable, "-c", SAVE, str(ckpt), args.preset], check=True)
-        proc = subprocess.run([sys.executable, "-c", EXPORT, str(ckpt), str(out), args.dtype], check=True,
+        ckpt, out, key = Path(tmp) / "ckpt", Path(tmp) / "out", Path(tmp) / "checkpoint.key"
+        key.write_text(secrets.token_hex(32))
+        key.chmod(0o400)
+        subprocess.run([sys.executable, "-c", SAVE, str(ckpt), args.preset, str(key)], check=True)
+        proc = subprocess.run([sys.executable, "-c", EXPORT, str(ckpt), str(out), args.dtype, str(key)], check=True,
                               capture_output=True, text=True)
         m = json.loads(proc.stdout.strip().splitlines()[-1])
     mib = 2**20

@@ -2,13 +2,11 @@
 with gloo. Prints tokens/s and per-rank memory of both and the ratios (ours / theirs). DeepSpeed runs twice: with
 its ZeRO-3 defaults (tensors under 1e5 elements stay whole on every rank) and with every tensor partitioned.
 
-    python bench/vs_deepspeed.py --world-size 2 [--model small --micro-batch 4 --steps 6]
+    make bench-vs_deepspeed ARGS='--world-size 2 [--model small --micro-batch 4 --steps 6]'
 
-DeepSpeed is not a shardstack dependency: it lives in a bench-only venv (default /var/cache/shardstack/bench-ds-venv)
-made with (DeepSpeed still JIT-compiles its CPU shared-memory comm op with the host's g++ on first use, ~1 min)
-    python3 -m venv /var/cache/shardstack/bench-ds-venv
-    /var/cache/shardstack/bench-ds-venv/bin/pip install torch==2.13.0 numpy pyyaml
-    DS_BUILD_OPS=0 /var/cache/shardstack/bench-ds-venv/bin/pip install --no-build-isolation deepspeed
+DeepSpeed is not a shardstack dependency: it lives in a bench-only venv ($SHARDSTACK_CACHE/bench-ds-venv, default
+/var/cache/shardstack/bench-ds-venv) that the make target builds once (torch 2.13.0, then DeepSpeed with
+DS_BUILD_OPS=0; DeepSpeed still JIT-compiles its CPU shared-memory comm op with the host's g++ on first use, ~1 min).
 Both sides run as separate torchrun jobs; shardstack is imported from this checkout in both (DeepSpeed's side uses
 only shardstack.model and shardstack.data, so it trains exactly the same network on exactly the same samples).
 
@@ -175,7 +173,7 @@ def main() -> int:
         return 0
 
     if not Path(args.ds_python).exists():
-        print(f"vs_deepspeed: no DeepSpeed venv at {args.ds_python}; create it as the docstring of this script says "
+        print(f"vs_deepspeed: no DeepSpeed venv at {args.ds_python}; run `make bench-vs_deepspeed`, which builds it "
               "(DeepSpeed is a bench-only dependency). Nothing was measured.", file=sys.stderr)
         return 2
     check = subprocess.run([args.ds_python, "-c", "import deepspeed, torch; print(deepspeed.__version__, "

@@ -2,8 +2,9 @@
 without a host.
 
 The role's defaults, vars/main.yml and vars/<distribution or family>.yml are layered as Ansible would (defaults
-lowest); the test supplies facts, registered results and overrides. Values are marked trusted the way Ansible marks
-files it loads itself, so Jinja in them is evaluated (ansible-core >= 2.19 refuses untrusted templates)."""
+lowest, each over those of the roles it depends on); the test supplies facts, registered results and overrides.
+Values are marked trusted the way Ansible marks files it loads itself, so Jinja in them is evaluated (ansible-core
+>= 2.19 refuses untrusted templates)."""
 
 from __future__ import annotations
 
@@ -30,9 +31,27 @@ def trusted(value: Any) -> Any:
     return value
 
 
-def load_vars(path: Path) -> dict[str, Any]:
-    """A role's vars/defaults file, or {} when the role has none."""
+def _read(path: Path) -> dict[str, Any]:
     return (yaml.safe_load(path.read_text()) or {}) if path.is_file() else {}
+
+
+def dependencies(role_dir: Path) -> list[Path]:
+    """The roles under `dependencies` in a role's meta/main.yml (names or `{role: name}`), as directories."""
+    deps = _read(role_dir / "meta" / "main.yml").get("dependencies") or []
+    return [role_dir.parent / (d["role"] if isinstance(d, dict) else d) for d in deps]
+
+
+def load_vars(path: Path) -> dict[str, Any]:
+    """A role's vars/defaults file, or {} when the role has none.
+
+    Like Ansible, a role's defaults/main.yml and vars/main.yml come layered over those of the roles it depends on
+    (meta/main.yml): `training_runtime_shared_dir: "{{ shardstack_shared_dir }}"` needs shardstack_common's."""
+    if path.name != "main.yml" or path.parent.name not in ("defaults", "vars"):
+        return _read(path)
+    layered: dict[str, Any] = {}
+    for dep in dependencies(path.parent.parent):
+        layered.update(load_vars(dep / path.parent.name / "main.yml"))
+    return {**layered, **_read(path)}
 
 
 ROLES = Path(__file__).resolve().parent.parent / "roles"

@@ -26,8 +26,9 @@ def _load(path: Path) -> Any:
 def known_variables(repo_root: str) -> dict[str, list[str]]:
     """Return {"prefixes": [...], "known": [...]} for the roles under `repo_root`/roles.
 
-    A role's variables are its defaults and its argument_specs options (a test keeps the two equal); the
-    `shardstack_*` variables are the ones defined in the repository's group_vars files.
+    A role's variables are its defaults and its argument_specs options (a test keeps the two equal); the shared
+    `shardstack_*` variables are shardstack_common's (a role like any other here) and the `shardstack_*` keys of the
+    repository's group_vars files.
     """
     root = Path(repo_root)
     prefixes: set[str] = {SHARDSTACK_PREFIX}

@@ -1,19 +1,23 @@
-"""Shared pieces for the checkpoint tests: a tiny model + optimizer app state, and a single-process Checkpointer."""
+"""Shared pieces for the checkpoint tests: a tiny model + optimizer app state, a signing key, and a single-process
+Checkpointer."""
 
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import os
+import secrets
 import signal
 import subprocess
 import sys
 from pathlib import Path
-from types import SimpleNamespace
 
 import pytest
 import torch
 from shardstack.model.gpt import GPT, GPTConfig
 from shardstack.train.checkpoint.checkpointer import Checkpointer
+from shardstack.train.checkpoint.signing import SigningKey, load_signing_key
+from shardstack.train.config import CheckpointConfig
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 from torch.distributed.checkpoint.stateful import Stateful
 
@@ -53,11 +57,29 @@ class AppState(Stateful):
         self.step = sd["step"]
 
 
-def make_checkpointer(root: Path, **overrides) -> Checkpointer:
-    cfg = SimpleNamespace(dir=str(root), interval=2, keep=3, resume="auto", async_save=False)
-    for key, value in overrides.items():
-        setattr(cfg, key, value)
-    return Checkpointer(cfg, config_hash="cafe", stage=3, job_config={"model": TINY.to_dict()})
+def write_key(path: Path, secret: str | None = None, mode: int = 0o400) -> Path:
+    """A key file as the training role deploys it: 32 random bytes, hex, readable by its owner only."""
+    path.write_text((secret or secrets.token_hex(32)) + "\n")
+    path.chmod(mode)
+    return path
+
+
+@pytest.fixture(scope="session")
+def key_file(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return write_key(tmp_path_factory.mktemp("etc") / "checkpoint.key")
+
+
+@pytest.fixture(scope="session")
+def key(key_file: Path) -> SigningKey:
+    return load_signing_key(key_file)
+
+
+def make_checkpointer(root: Path, key_file: Path | None, **overrides) -> Checkpointer:
+    """A Checkpointer on `root` signing with `key_file` (None: require_signature false)."""
+    cfg = CheckpointConfig(dir=str(root), interval=2, keep=3, signing_key_file=str(key_file or "/nonexistent"),
+                           require_signature=key_file is not None)
+    return Checkpointer(dataclasses.replace(cfg, **overrides), config_hash="cafe", stage=3,
+                        job_config={"model": TINY.to_dict()})
 
 
 def start_group(cmd: list[str], **kwargs) -> subprocess.Popen:

@@ -17,6 +17,7 @@ import torch
 import torch.distributed as dist
 from shardstack.model.gpt import GPT, GPTConfig
 from shardstack.train.checkpoint.checkpointer import Checkpointer
+from shardstack.train.config import CheckpointConfig
 from shardstack.train.dist import leave_worker
 from torch.distributed.checkpoint.state_dict import (
     StateDictOptions,
@@ -60,6 +61,7 @@ def main() -> int:
     p.add_argument("--keep", type=int, default=3)
     p.add_argument("--resume", default="auto")
     p.add_argument("--async-save", action="store_true")
+    p.add_argument("--key-file", help="the signing key; without it, checkpoints are unsigned")
     p.add_argument("--out")
     p.add_argument("--dump-full", help="torch.save the gathered full model state dict here at the end (rank 0)")
     args = p.parse_args()
@@ -74,8 +76,9 @@ def main() -> int:
     fully_shard(model)
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
     app = AppState(model, optimizer)
-    cfg = SimpleNamespace(dir=args.ckpt, interval=args.interval, keep=args.keep, resume=args.resume,
-                          async_save=args.async_save)
+    cfg = CheckpointConfig(dir=args.ckpt, interval=args.interval, keep=args.keep, resume=args.resume,
+                           async_save=args.async_save, signing_key_file=args.key_file or "",
+                           require_signature=args.key_file is not None)
     ckpt = Checkpointer(cfg, config_hash="test", dist=SimpleNamespace(rank=rank, world_size=world), stage=3,
                         job_config={"model": MODEL.to_dict()})
     start = ckpt.resume(app)

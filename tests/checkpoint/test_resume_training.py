@@ -21,6 +21,7 @@ from pathlib import Path
 import pytest
 import yaml
 from shardstack.train.checkpoint.layout import list_checkpoints, resolve_checkpoint, verify_checkpoint
+from shardstack.train.checkpoint.signing import SigningKey
 
 from .conftest import HERE, start_group, stop_group, torchrun
 
@@ -40,7 +41,7 @@ def data_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return out
 
 
-def job(tmp: Path, data: Path, ckpt: Path, *, world: int, stage: int, total_steps: int = 10) -> Path:
+def job(tmp: Path, data: Path, ckpt: Path, key_file: Path, *, world: int, stage: int, total_steps: int = 10) -> Path:
     cfg = {
         "model": {"size": "tiny", "n_layer": 2, "n_head": 2, "d_model": 32, "seq_len": 32},
         "data": {"path": str(data)},
@@ -48,7 +49,7 @@ def job(tmp: Path, data: Path, ckpt: Path, *, world: int, stage: int, total_step
         "optimizer": {"lr": 3e-3},
         "schedule": {"warmup_steps": 2, "total_steps": total_steps},
         "batch": {"global_batch": GLOBAL_BATCH, "micro_batch": GLOBAL_BATCH // world},
-        "checkpoint": {"dir": str(ckpt), "interval": INTERVAL, "keep": 3},
+        "checkpoint": {"dir": str(ckpt), "interval": INTERVAL, "keep": 3, "signing_key_file": str(key_file)},
         "metrics": {"port": 0},
         "seed": 7,
     }
@@ -86,9 +87,10 @@ def resumed_step(output: str) -> int:
 
 
 @pytest.fixture(scope="module")
-def reference(tmp_path_factory: pytest.TempPathFactory, data_dir: Path) -> tuple[Path, dict[int, float], Path]:
+def reference(tmp_path_factory: pytest.TempPathFactory, data_dir: Path,
+              key_file: Path) -> tuple[Path, dict[int, float], Path]:
     tmp = tmp_path_factory.mktemp("reference")
-    out = train(2, job(tmp, data_dir, tmp / "ckpt", world=2, stage=3))
+    out = train(2, job(tmp, data_dir, tmp / "ckpt", key_file, world=2, stage=3))
     ref = losses(out)
     assert sorted(ref) == list(range(1, 11))
     assert [s for s, _ in list_checkpoints(tmp / "ckpt")] == [5, 10]
@@ -100,47 +102,54 @@ def _copy(src: Path, dst: Path) -> Path:
     return dst
 
 
-def test_resume_on_1_process_after_the_newest_checkpoint_was_truncated(reference, tmp_path: Path) -> None:
+def test_resume_on_1_process_after_the_newest_checkpoint_was_truncated(
+    reference, tmp_path: Path, key_file: Path, key: SigningKey
+) -> None:
     root, ref, data = reference
     ckpt = _copy(root, tmp_path / "ckpt")
     shard = ckpt / "step_00000010" / "__1_0.distcp"
     shard.write_bytes(shard.read_bytes()[:100])
-    out = train(1, job(tmp_path, data, ckpt, world=1, stage=3))
+    out = train(1, job(tmp_path, data, ckpt, key_file, world=1, stage=3))
     assert re.search(r"skipping checkpoint \S+step_00000010: size mismatch for __1_0\.distcp", out), out[-4000:]
     assert resumed_step(out) == 5
     assert_continues(losses(out), ref, range(6, 11))
-    assert verify_checkpoint(ckpt / "step_00000010").valid  # the damaged one was replaced by this run's
+    assert verify_checkpoint(ckpt / "step_00000010", key=key).valid  # the damaged one was saved again by this run
+    assert (ckpt / "step_00000010.invalid-size-mismatch").is_dir()  # and kept aside, not deleted
 
 
-def test_resume_on_4_processes_at_stage_1_after_a_shard_was_altered(reference, tmp_path: Path) -> None:
+def test_resume_on_4_processes_at_stage_1_after_a_shard_was_altered(reference, tmp_path: Path, key_file: Path) -> None:
     root, ref, data = reference
     ckpt = _copy(root, tmp_path / "ckpt")
     shard = ckpt / "step_00000010" / "__0_0.distcp"
     raw = bytearray(shard.read_bytes())
     raw[len(raw) // 2] ^= 0x01  # one flipped bit, same size
     shard.write_bytes(bytes(raw))
-    out = train(4, job(tmp_path, data, ckpt, world=4, stage=1))
+    out = train(4, job(tmp_path, data, ckpt, key_file, world=4, stage=1))
     assert re.search(r"skipping checkpoint \S+step_00000010: checksum mismatch for __0_0\.distcp", out), out[-4000:]
     assert re.search(r"\(step 5, saved by 2 ranks at stage 3; now 4 ranks\)", out), out[-4000:]
     assert_continues(losses(out), ref, range(6, 11))
 
 
-def test_3_processes_at_stage_1_reshard_to_2_processes_at_stage_3(reference, tmp_path: Path) -> None:
+def test_3_processes_at_stage_1_reshard_to_2_processes_at_stage_3(
+    reference, tmp_path: Path, key_file: Path, key: SigningKey
+) -> None:
     _root, ref, data = reference
     ckpt = tmp_path / "ckpt"
-    first = train(3, job(tmp_path, data, ckpt, world=3, stage=1), "--max-steps", "5")
+    first = train(3, job(tmp_path, data, ckpt, key_file, world=3, stage=1), "--max-steps", "5")
     assert_continues(losses(first), ref, range(1, 6))  # the loss sequence does not depend on the world size
-    manifest = verify_checkpoint(ckpt / "step_00000005").manifest
+    manifest = verify_checkpoint(ckpt / "step_00000005", key=key).manifest
     assert manifest is not None and (manifest["world_size"], manifest["stage"]) == (3, 1)
-    second = train(2, job(tmp_path, data, ckpt, world=2, stage=3))
+    second = train(2, job(tmp_path, data, ckpt, key_file, world=2, stage=3))
     assert re.search(r"\(step 5, saved by 3 ranks at stage 1; now 2 ranks\)", second), second[-4000:]
     assert_continues(losses(second), ref, range(6, 11))
 
 
-def test_a_crash_while_saving_never_leaves_a_checkpoint_that_resume_picks(reference, tmp_path: Path) -> None:
+def test_a_crash_while_saving_never_leaves_a_checkpoint_that_resume_picks(
+    reference, tmp_path: Path, key_file: Path, key: SigningKey
+) -> None:
     _root, ref, data = reference
     ckpt = tmp_path / "ckpt"
-    config = job(tmp_path, data, ckpt, world=2, stage=3)
+    config = job(tmp_path, data, ckpt, key_file, world=2, stage=3)
     os.environ["SHARDSTACK_TEST_DIE_IN_SAVE"] = "1:10"  # rank 1 dies half-way through writing step 10's shard
     try:
         rc, out = torchrun(2, ENTRY, "--config", str(config))
@@ -152,7 +161,7 @@ def test_a_crash_while_saving_never_leaves_a_checkpoint_that_resume_picks(refere
     assert len(leftovers) == 2
     partial = ckpt / leftovers[1]
     assert (partial / "__1_0.distcp").exists() and not (partial / "manifest.json").exists()
-    assert resolve_checkpoint(ckpt).step == 5
+    assert resolve_checkpoint(ckpt, key=key).step == 5
     out = train(2, config)
     assert resumed_step(out) == 5 and "never finished" in out
     assert_continues(losses(out), ref, range(6, 11))
@@ -180,9 +189,11 @@ def _worker_pid(agent_pid: int, rank: int) -> int | None:
     return None
 
 
-def test_kill_9_of_a_worker_under_torchrun_restarts_from_the_newest_checkpoint(data_dir: Path, tmp_path: Path) -> None:
+def test_kill_9_of_a_worker_under_torchrun_restarts_from_the_newest_checkpoint(
+    data_dir: Path, tmp_path: Path, key_file: Path
+) -> None:
     total = 80  # long enough that the kill at step ≥ 8 lands while training still runs, even on a fast machine
-    config = job(tmp_path, data_dir, tmp_path / "ckpt", world=2, stage=3, total_steps=total)
+    config = job(tmp_path, data_dir, tmp_path / "ckpt", key_file, world=2, stage=3, total_steps=total)
     port = _free_port()
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nnodes", "1", "--nproc-per-node", "2",
            "--max-restarts", "3", "--rdzv-backend", "c10d", "--rdzv-endpoint", f"127.0.0.1:{port}",

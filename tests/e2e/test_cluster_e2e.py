@@ -3,7 +3,8 @@
 site.yml from bare nodes, an idempotent re-run and a check-mode run (0 changed both); a 2-node ZeRO-3 job as the
 systemd unit, one worker killed mid-run and the job resuming from its last checkpoint, its metrics in Prometheus;
 export, the inference tier serving the trained model through HAProxy; one backend stopped under steady load and a
-rolling upgrade under load, each with zero failed client requests.
+rolling upgrade to another checkpoint under load, each with zero failed client requests and every backend's /info
+reporting the new step; a hung engine killed by systemd's watchdog and serving again.
 
 Takes ~7–9 min on the idle 2-core host (site.yml's first run, mostly torch going into two venvs, ~3 min; its
 re-run under a minute) and up to 40 min under load. It runs with SHARDSTACK_E2E=1 (`make e2e`, a step of
@@ -12,6 +13,7 @@ re-run under a minute) and up to 40 min under load. It runs with SHARDSTACK_E2E=
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import statistics
@@ -37,7 +39,8 @@ pytestmark = [
                        reason="set SHARDSTACK_E2E=1 (make e2e): 9-40 min on 2 cores"),
 ]
 
-LAB = "ee2e"
+# Named from the checkout, so e2e runs of two clones never share (or tear down) one lab.
+LAB = "e" + hashlib.sha1(str(project_dir()).encode()).hexdigest()[:7]
 JOB = "e2e"
 STEPS = 300
 
@@ -99,7 +102,7 @@ def _prometheus_max(inv: dict, metric: str) -> float | None:
 
 
 def test_two_node_job_survives_a_killed_worker(lab3: Cluster) -> None:
-    job = demo_job(STEPS, cluster.SHARED_DIR, JOB)
+    job = demo_job(STEPS, cluster.shared_dir(lab3.inv), JOB)
     job["checkpoint"]["interval"] = 20
     job["metrics"]["log_every"] = 5
     sub = train.submit(job, JOB, lab3.inventory, nodes=2)
@@ -133,7 +136,7 @@ def test_two_node_job_survives_a_killed_worker(lab3: Cluster) -> None:
 
 
 def test_export_and_serve_through_the_load_balancer(lab3: Cluster) -> None:
-    exp = cluster.export_current(lab3.inventory, cluster.SHARED_DIR + f"/checkpoints/{JOB}", JOB)
+    exp = cluster.export_current(lab3.inventory, cluster.shared_dir(lab3.inv) + f"/checkpoints/{JOB}", JOB)
     assert f"exported step {STEPS}" in exp.output, exp.output
     ro = serve.rollout(lab3.inventory, extravars=lab3.extravars)
     assert ro.success, {h: (r.failed_task, r.message) for h, r in ro.hosts.items()}
@@ -199,11 +202,84 @@ def test_stopping_a_backend_under_load_fails_no_request(lab3: Cluster) -> None:
     assert set(load.codes) == {200}, dict(load.codes)
 
 
-def test_rollout_under_load_fails_no_request(lab3: Cluster) -> None:
+def _infos(url: str, token: str, n: int = 12) -> list[dict]:
+    """/info through the load balancer n times (leastconn alternates between idle backends)."""
+    out = []
+    for _ in range(n):
+        req = urllib.request.Request(f"{url}/info", headers={"Authorization": f"Bearer {token}"})
+        with urllib.request.urlopen(req, timeout=10) as resp:
+            out.append(json.load(resp))
+    return out
+
+
+def test_rollout_to_another_step_under_load_fails_no_request(lab3: Cluster) -> None:
     url, token = cluster.lb_url(lab3.inventory), cluster.load_token(lab3.inventory)
+    backends = set(lab3.inv["groups"]["inference_nodes"])
+    before = _infos(url, token)
+    assert {i["host"] for i in before} == backends and {i["step"] for i in before} == {STEPS}
+    # A different model for the upgrade: the job's previous checkpoint (keep: 2 leaves the last two).
+    previous = STEPS - 20
+    step_dir = f"{cluster.shared_dir(lab3.inv)}/checkpoints/{JOB}/step_{previous:08d}"
+    exp = cluster.export_current(lab3.inventory, step_dir, f"{JOB}-{previous}")
+    assert f"exported step {previous}" in exp.output, exp.output
     with Load(url, token) as load:
         ro = serve.rollout(lab3.inventory, extravars=lab3.extravars)
-    print(f"\nserve rollout under load in {ro.seconds:.0f}s: {dict(load.codes)}")
+    after = _infos(url, token)
+    print(f"\nserve rollout to step {previous} under load in {ro.seconds:.0f}s: {dict(load.codes)}; "
+          f"/info after: {sorted((i['host'], i['step']) for i in after)}")
     assert ro.success, {h: (r.failed_task, r.message) for h, r in ro.hosts.items()}
     assert load.codes[200] > 20
     assert set(load.codes) == {200}, dict(load.codes)
+    assert {i["host"] for i in after} == backends
+    assert {i["step"] for i in after} == {previous}, after
+
+
+def _backend_show(lab3: Cluster, host: str, props: str) -> dict[str, str]:
+    res = run_command(["systemctl", "show", "shardstack-inference.service", "-p", props], lab3.inventory, host)[host]
+    assert res.success, res
+    return dict(line.split("=", 1) for line in res.stdout.splitlines() if "=" in line)
+
+
+def test_a_hung_engine_is_killed_by_the_watchdog_and_serves_again(lab3: Cluster) -> None:
+    """systemd itself, not a fake notify socket: a failpoint blocks the engine loop on the next client request; the
+    service stops feeding WATCHDOG=1, systemd kills it (result 'watchdog'), restarts it, and it serves again."""
+    victim = lab3.inv["groups"]["inference_nodes"][-1]
+    port = 8000  # inference_service_port's default
+    dropin = "/run/systemd/system/shardstack-inference.service.d/50-e2e-failpoint.conf"
+    arm = (f"mkdir -p $(dirname {dropin}) && printf '[Service]\\nEnvironment=SHARDSTACK_SERVE_FAILPOINT=engine_hang"
+           f"\\nWatchdogSec=5\\n' > {dropin} && systemctl daemon-reload && systemctl restart "
+           "shardstack-inference.service")
+    assert run_command(["sh", "-c", arm], lab3.inventory, victim)[victim].success
+    restarts = int(_backend_show(lab3, victim, "NRestarts")["NRestarts"])
+    # One completion straight to the victim's service, from the victim itself with the token file the service
+    # reads (the token never appears on a command line). The request hangs until systemd kills the process.
+    addr = cluster.address(lab3.inv, victim)
+    probe = ("import json, sys, urllib.request\n"
+             f"body = json.dumps({{'prompt': 'x', 'max_tokens': 2}}).encode()\n"
+             f"r = urllib.request.Request('http://{addr}:{port}/v1/completions', data=body, "
+             "headers={'Content-Type': 'application/json', 'Authorization': 'Bearer ' + sys.stdin.read().strip()})\n"
+             "try:\n    urllib.request.urlopen(r, timeout=120)\nexcept Exception as e:\n    print(type(e).__name__)\n")
+    token_file = "/etc/shardstack/inference.token"
+    started = time.monotonic()
+    hung = run_command(["sh", "-c", f"python3 -c \"$0\" < {token_file} 2>&1 || true", probe], lab3.inventory,
+                       victim, timeout=300)[victim]
+    waited = time.monotonic() - started
+    journal = run_command(["journalctl", "-u", "shardstack-inference.service", "--since", "-5min", "--no-pager",
+                           "-o", "cat"], lab3.inventory, victim)[victim].stdout
+    assert "Failed with result 'watchdog'" in journal, journal[-2000:]
+    after = int(_backend_show(lab3, victim, "NRestarts")["NRestarts"])
+    assert after > restarts, (restarts, after)
+    # Disarm and prove it serves: healthy behind the load balancer, completions answered.
+    disarm = f"rm -f {dropin} && systemctl daemon-reload && systemctl restart shardstack-inference.service"
+    assert run_command(["sh", "-c", disarm], lab3.inventory, victim)[victim].success
+    state = _backend_show(lab3, victim, "ActiveState,SubState")
+    assert state == {"ActiveState": "active", "SubState": "running"}, state
+    url, token = cluster.lb_url(lab3.inventory), cluster.load_token(lab3.inventory)
+    deadline = time.monotonic() + 60
+    while {i["host"] for i in _infos(url, token, 6)} != set(lab3.inv["groups"]["inference_nodes"]):
+        assert time.monotonic() < deadline, "the restarted backend did not come back behind the load balancer"
+        time.sleep(2)
+    answers = [cluster.complete(url, "The ", token=token, max_tokens=8) for _ in range(6)]
+    print(f"\n{victim}: engine hung, killed by the watchdog after {waited:.0f}s (client saw "
+          f"{hung.stdout.strip() or 'no error'}), NRestarts {restarts} -> {after}; then {[a.status for a in answers]}")
+    assert all(a.status == 200 for a in answers)

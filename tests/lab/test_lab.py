@@ -13,6 +13,7 @@ import pytest
 import yaml
 from shardstack.lab import lab
 from shardstack.lab.inventory import group_layout
+from shardstack.lab.node import is_zombie
 
 pytestmark = pytest.mark.lab
 
@@ -133,7 +134,7 @@ def test_down_is_quick_and_clean(tmp_path: Path) -> None:
     assert time.monotonic() - started < 30
     assert lab.leftovers(name) == []
     # Gone, or a zombie waiting for the host's init to reap it: either way no longer running.
-    assert not any(Path(f"/proc/{p}").exists() and not lab._is_zombie(p) for p in pids)
+    assert not any(Path(f"/proc/{p}").exists() and not is_zombie(p) for p in pids)
 
 
 def test_inventory_layout_spreads_cluster_roles() -> None:

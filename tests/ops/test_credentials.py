@@ -51,3 +51,17 @@ def test_a_store_path_with_other_jinja_is_a_clear_error(tmp_path: Path) -> None:
     inv = _inventory(tmp_path, inference_service_token_store="{{ lookup('env', 'HOME') }}/t.txt")
     with pytest.raises(ShardstackError, match="set a plain path"):
         load_token(inv)
+
+
+def test_clients_read_cluster_settings_as_the_roles_do(tmp_path: Path) -> None:
+    from shardstack.ops.cluster import inventory_hosts, setting, shared_dir
+
+    inv = tmp_path / "hosts.yml"
+    inv.write_text(yaml.safe_dump({"all": {"children": {
+        "train_nodes": {"hosts": {"n1": {}}, "vars": {"shardstack_shared_dir": "/data/shared"}},
+        "loadbalancer": {"hosts": {"n1": {}}, "vars": {"loadbalancer_port": "{{ 8000 + 80 }}"}}}}}))
+    found = inventory_hosts(inv)
+    assert shared_dir(found) == "/data/shared"  # the inventory's value wins
+    assert setting(found, "training_runtime_venv", "training_runtime", "train_nodes") == "/opt/shardstack/venv"
+    with pytest.raises(ShardstackError, match=r"loadbalancer_port=.*is a template"):
+        setting(found, "loadbalancer_port", "loadbalancer", "loadbalancer")

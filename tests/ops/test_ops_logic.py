@@ -52,8 +52,10 @@ def test_bad_job_names(name: str) -> None:
         check_job_name(name)
 
 
+CPU_NODE = {"accel": {"facts": {"torch_version": "2.13.0+cpu"}, "accelerator": "cpu"}, "train_node": True}
 GOOD = {
-    "validate_allreduce": {"correct": True},
+    "validate_gpu": {"n1": CPU_NODE},
+    "validate_allreduce": {"correct": True, "backend": "gloo"},
     "validate_storage": {"n1": {"peer_checksum_matches": True, "read_of": "n2"}},
     "validate_inference": {"status": 200},
 }
@@ -61,7 +63,8 @@ GOOD = {
 
 def test_validate_passes_only_with_every_check() -> None:
     assert validate_findings(GOOD) == []
-    assert validate_findings({}) == ["all-reduce: no result", "storage: no result", "inference: no result"]
+    assert validate_findings({}) == ["gpu: no result", "all-reduce: no result", "storage: no result",
+                                     "inference: no result"]
     assert validate_findings({**GOOD, "validate_allreduce": {"correct": False}}) == ["all-reduce: wrong sum"]
     bad_storage = {"n1": {"peer_checksum_matches": False, "read_of": "n2"}}
     assert validate_findings({**GOOD, "validate_storage": bad_storage}) == [

@@ -1,15 +1,21 @@
-"""The controller's wheelhouse: keyed by source state, complete, checked against the nodes' Python, cached."""
+"""The controller's wheelhouses: one per accelerator class, resolved for the nodes' platform, hash-locked, keyed by
+source state, cached. The CPU class is built here (the lab's); a CUDA class is resolved from the index without
+downloading its gigabytes."""
 
 from __future__ import annotations
 
+import itertools
 import json
 import os
 import shutil
+import subprocess
 import sys
 import tarfile
 from pathlib import Path
 
 import pytest
+from packaging.specifiers import SpecifierSet
+from shardstack.accel import BY_NAME
 from shardstack.errors import ShardstackError
 from shardstack.ops import wheelhouse
 from shardstack.ops.runner import project_dir
@@ -34,6 +40,7 @@ def test_keys_follow_the_source_not_its_caches(tmp_path: Path) -> None:
     (proj / "runtime" / "pkg" / "a.py").write_text("A = 2\n")
     assert wheelhouse.source_key(proj) != key
     assert wheelhouse.deps_key(proj) == deps  # code changes do not refetch dependencies
+    assert len({wheelhouse.deps_key(proj, c) for c in BY_NAME.values()}) == len(BY_NAME)  # nor share another class's
     (proj / "pyproject.toml").write_text("[project]\nname = 'y'\n")
     assert wheelhouse.deps_key(proj) != deps
 
@@ -55,6 +62,61 @@ def test_wheels_must_fit_the_nodes(tmp_path: Path, name: str, fits: bool) -> Non
             wheelhouse._check_tags(tmp_path)
 
 
+def test_torch_is_pinned_to_the_exact_build_of_the_class() -> None:
+    reqs = wheelhouse.requirements(project_dir(), BY_NAME["cu130"])
+    assert reqs[-1] == "torch===2.13.0" and "torch==2.13.0" in reqs  # the class pin beside pyproject's own
+    # why ===: == also matches the CPU build, whose local label sorts higher, so a find-links directory would win
+    assert "2.13.0+cpu" in SpecifierSet("==2.13.0") and "2.13.0+cpu" not in SpecifierSet("===2.13.0")
+    assert wheelhouse.requirements(project_dir(), BY_NAME["cu126"])[-1] == "torch===2.13.0+cu126"
+
+
+def test_resolution_targets_the_nodes_not_the_controller(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                                         caplog: pytest.LogCaptureFixture) -> None:
+    monkeypatch.setenv(wheelhouse.TORCH_INDEX_ENV, "http://127.0.0.1:9")  # nothing listens there
+    argv = wheelhouse.resolve_argv(tmp_path / "r.in", tmp_path / "r.json", tmp_path / "t", BY_NAME["cu126"])
+    assert argv[:2] == ["install", "--dry-run"] and "--use-feature=fast-deps" in argv
+    pairs = set(itertools.pairwise(argv))
+    assert {("--python-version", "3.11"), ("--abi", "cp311"), ("--implementation", "cp"),
+            ("--platform", "manylinux_2_28_x86_64"), ("--platform", "manylinux2014_x86_64")} <= pairs
+    assert "--extra-index-url" not in argv and "does not answer" in caplog.text  # left out, and said
+    monkeypatch.setenv(wheelhouse.TORCH_INDEX_ENV, "none")
+    assert "--extra-index-url" not in wheelhouse.resolve_argv(tmp_path, tmp_path, tmp_path, BY_NAME["cpu"])
+
+
+# Runs pip exactly as resolve() does and reports what the process read in all (files and network, /proc/self/io).
+_MEASURED_PIP = """
+import json, sys
+from pip._internal.cli.main import main
+code = main(sys.argv[1:])
+io = dict(line.split(": ") for line in open("/proc/self/io").read().splitlines())
+print(json.dumps({"rc": code, "rchar": int(io["rchar"])}), file=sys.stderr)
+"""
+
+
+def test_a_cuda_class_resolves_from_the_index_within_a_small_byte_budget(tmp_path: Path) -> None:
+    accel = BY_NAME["cu130"]  # the CUDA build PyPI itself publishes
+    reqs = tmp_path / "requirements.in"
+    reqs.write_text("\n".join(wheelhouse.requirements(project_dir(), accel)) + "\n")
+    report = tmp_path / "report.json"
+    argv = wheelhouse.resolve_argv(reqs, report, tmp_path / "target", accel)
+    # --isolated: the index alone (this host's pip.conf adds local directories, which pip reads whole from disk)
+    proc = subprocess.run([sys.executable, "-c", _MEASURED_PIP, "--isolated", "--disable-pip-version-check",
+                           "--cache-dir", str(tmp_path / "pip-cache"), *argv],
+                          capture_output=True, text=True, timeout=600)
+    measured = json.loads(proc.stderr.strip().splitlines()[-1])
+    assert measured["rc"] == 0, proc.stderr[-2000:]
+    installed = {i["metadata"]["name"]: i for i in json.loads(report.read_text())["install"]}
+    torch = installed["torch"]
+    assert torch["metadata"]["version"] == "2.13.0"
+    assert any(r.startswith(("nvidia-cudnn-cu13", "cuda-toolkit")) for r in torch["metadata"]["requires_dist"])
+    cuda_libs = sorted(n for n in installed if n.startswith("nvidia-"))
+    assert {"nvidia-cudnn-cu13", "nvidia-nccl-cu13", "nvidia-cublas"} <= set(cuda_libs)
+    # the lock would pin every one of them by hash: the index published a sha256 for each file
+    assert all(i["download_info"]["archive_info"]["hashes"]["sha256"] for i in installed.values())
+    print(f"\ncu130: {len(installed)} files ({', '.join(cuda_libs)}); pip read {measured['rchar'] / 2**20:.1f} MiB")
+    assert measured["rchar"] < 64 * 2**20  # the torch wheel alone is 502 MiB
+
+
 def _link_or_copy(src: str, dst: str) -> None:
     try:
         os.link(src, dst)
@@ -62,23 +124,46 @@ def _link_or_copy(src: str, dst: str) -> None:
         shutil.copy(src, dst)
 
 
-@pytest.mark.skipif(sys.version_info[:2] != wheelhouse.TARGET_PYTHON, reason="needs the nodes' CPython")
-def test_the_project_wheelhouse_is_complete_and_cached(tmp_path: Path) -> None:
+def test_the_cpu_wheelhouse_is_complete_hash_locked_and_cached(tmp_path: Path) -> None:
     # Dependencies come from the shared cache (built once per pyproject); the source part goes to a fresh cache.
-    shared = wheelhouse.cache_root()
-    deps_name = f"deps-{wheelhouse.deps_key(project_dir())}"
+    accel = BY_NAME["cpu"]
+    shared = wheelhouse.cache_root() / accel.name
+    deps_name = f"deps-{wheelhouse.deps_key(project_dir(), accel)}"
     cache = tmp_path / "cache"
-    if (shared / deps_name).is_dir():
-        cache.mkdir()
-        shutil.copytree(shared / deps_name, cache / deps_name, copy_function=_link_or_copy)
-    first = wheelhouse.build(project_dir(), cache, log=lambda _m: None)
-    assert first.built and first.path.parent == cache
+    if (shared / deps_name / "deps.lock").is_file():
+        (cache / accel.name).mkdir(parents=True)
+        shutil.copytree(shared / deps_name, cache / accel.name / deps_name, copy_function=_link_or_copy)
+    first = wheelhouse.build(project_dir(), cache, accel=accel, log=lambda _m: None)
+    assert first.built and first.path.parent == cache / "cpu" and first.key.startswith("cpu-")
+    if not (shared / deps_name).exists():  # seed the shared cache for the next run
+        shutil.copytree(cache / "cpu" / deps_name, shared / deps_name, copy_function=_link_or_copy)
     manifest = json.loads((first.path / "manifest.json").read_text())
     names = {p.name for p in first.path.glob("*.whl")}
     assert manifest["shardstack_wheel"] in names and manifest["requirement"].startswith("shardstack[train,serve]==")
-    assert any(n.startswith("torch-2.13.0") for n in names)
+    assert any(n.startswith("torch-2.13.0+cpu-") for n in names) and manifest["torch"] == "2.13.0+cpu"
     assert set(manifest["files"]) == names
+    lock = [line for line in (first.path / wheelhouse.LOCK).read_text().splitlines() if not line.startswith("#")]
+    assert len(lock) == len(names) and all(" --hash=sha256:" in line for line in lock)
+    assert sorted(line.split(":")[-1] for line in lock) == sorted(manifest["files"].values())
     with tarfile.open(first.path / wheelhouse.ARCHIVE) as tar:
-        assert set(tar.getnames()) == names | {"manifest.json"}
-    again = wheelhouse.build(project_dir(), cache, log=lambda _m: None)
+        assert set(tar.getnames()) == names | {"manifest.json", wheelhouse.LOCK, wheelhouse.OWN_LOCK}
+    again = wheelhouse.build(project_dir(), cache, accel=accel, log=lambda _m: None)
     assert not again.built and again.path == first.path and again.shardstack_sha256 == first.shardstack_sha256
+
+    # What a node runs, offline: every file checked against the lock; one changed byte is refused.
+    def node_install(wheels: Path) -> subprocess.CompletedProcess[str]:
+        return subprocess.run([sys.executable, "-m", "pip", "--isolated", "install", "--dry-run", "--no-index",
+                               "--ignore-installed", "--find-links", str(wheels), "--require-hashes", "-r",
+                               str(wheels / wheelhouse.LOCK), "--target", str(tmp_path / "t")],
+                              capture_output=True, text=True, timeout=600)
+
+    ok = node_install(first.path)
+    assert ok.returncode == 0, ok.stderr[-2000:]
+    tampered = tmp_path / "tampered"
+    shutil.copytree(first.path, tampered, copy_function=_link_or_copy)
+    victim = tampered / next(n for n in sorted(names) if n.startswith("rich-"))
+    data = victim.read_bytes()
+    victim.unlink()  # a hard link: replace, do not write through to the cache
+    victim.write_bytes(data[:-1] + bytes([data[-1] ^ 1]))
+    bad = node_install(tampered)
+    assert bad.returncode != 0 and "DO NOT MATCH THE HASHES" in bad.stderr

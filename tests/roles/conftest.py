@@ -1,4 +1,4 @@
-"""Fixtures for the role tests: a Debian 12 container's facts, find results and the role evaluator."""
+"""Fixtures for the role tests: a Debian 12 container's facts, find results, the hardware fact, the role evaluator."""
 
 from __future__ import annotations
 
@@ -31,6 +31,11 @@ def found(*paths: str) -> dict[str, Any]:
     return {"files": [{"path": p} for p in paths], "matched": len(paths)}
 
 
+def probed(pci: tuple[str, ...] = (), devnodes: tuple[str, ...] = (), rdma: tuple[str, ...] = ()) -> dict[str, Any]:
+    """The fact `shardstack_hardware` as the shardstack_common probe records it (paths it found)."""
+    return {"nvidia_pci_functions": list(pci), "nvidia_device_nodes": list(devnodes), "rdma_devices": list(rdma)}
+
+
 @pytest.fixture
 def debian_container() -> dict[str, Any]:
     return {k: (dict(v) if isinstance(v, dict) else v) for k, v in DEBIAN12_CONTAINER.items()}
@@ -44,3 +49,8 @@ def role_eval() -> type[RoleEval]:
 @pytest.fixture
 def find_result() -> Any:
     return found
+
+
+@pytest.fixture
+def hardware() -> Any:
+    return probed

@@ -79,6 +79,19 @@ def test_catalog_covers_every_role_in_the_repository() -> None:
             assert set(yaml.safe_load(defaults.read_text()) or {}) <= set(catalog["known"]), role
 
 
+def test_shared_variables_known_and_their_typos_caught() -> None:
+    catalog = inv.known_variables(str(REPO))
+    assert {"shardstack_shared_dir", "shardstack_user", "shardstack_group", "shardstack_cuda_repo_url"} <= set(
+        catalog["known"]
+    )
+    names = ["shardstack_shared_dir", "shardstack_shared_dri", "shardstack_cuda_repo", "nvidia_driver_cuda_repo_url"]
+    assert inv.unknown_variables(names, catalog) == [
+        "nvidia_driver_cuda_repo_url",
+        "shardstack_cuda_repo (did you mean shardstack_cuda_repo_url?)",
+        "shardstack_shared_dri (did you mean shardstack_shared_dir?)",
+    ]
+
+
 def test_unknown_variables_flagged_with_a_suggestion(tmp_path: Path) -> None:
     role = tmp_path / "roles" / "widget"
     (role / "defaults").mkdir(parents=True)

@@ -1,5 +1,5 @@
-"""Hardware gating (docs/design.md): the decision each role takes from what its preflight found, and the reason it
-prints. The inputs are the registered results of the roles' own `find`/`slurp` tasks."""
+"""Hardware gating (docs/roles.md): the decision each role takes from what the shardstack_common probe found (the
+fact `shardstack_hardware`), and the reason it prints."""
 
 from __future__ import annotations
 
@@ -9,6 +9,7 @@ from typing import Any
 import pytest
 
 GPU = "/sys/bus/pci/devices/0000:3b:00.0/vendor"
+IB = "/sys/class/infiniband/mlx5_0"
 
 
 def _bare_metal(facts: dict[str, Any]) -> dict[str, Any]:
@@ -28,7 +29,7 @@ def _bare_metal(facts: dict[str, Any]) -> dict[str, Any]:
 )
 def test_nvidia_driver_gate(
     role_eval: Any,
-    find_result: Any,
+    hardware: Any,
     debian_container: dict,
     pci: list,
     force: bool,
@@ -42,7 +43,7 @@ def test_nvidia_driver_gate(
     r = role_eval(
         "nvidia_driver",
         facts,
-        __nvidia_driver_pci=find_result(*pci),
+        shardstack_hardware=hardware(pci=tuple(pci)),
         nvidia_driver_force=force,
         nvidia_driver_kernel_modules=modules,
     )
@@ -51,16 +52,17 @@ def test_nvidia_driver_gate(
     assert reason in r["__nvidia_driver_reason"]
 
 
+@pytest.mark.parametrize(("force", "enabled"), [("true", True), ("false", False)])
 def test_nvidia_driver_force_given_as_string_on_the_command_line(
-    role_eval: Any, find_result: Any, debian_container: dict
+    role_eval: Any, hardware: Any, debian_container: dict, force: str, enabled: bool
 ) -> None:
     # `-e nvidia_driver_force=true` arrives as a string.
-    assert role_eval("nvidia_driver", debian_container, nvidia_driver_force="true")["__nvidia_driver_enabled"] is True
-    assert role_eval("nvidia_driver", debian_container, nvidia_driver_force="false")["__nvidia_driver_enabled"] is False
+    r = role_eval("nvidia_driver", debian_container, shardstack_hardware=hardware(), nvidia_driver_force=force)
+    assert r["__nvidia_driver_enabled"] is enabled
 
 
-def test_nvidia_device_node_counts_as_gpu(role_eval: Any, find_result: Any, debian_container: dict) -> None:
-    r = role_eval("nvidia_driver", debian_container, __nvidia_driver_devnodes=find_result("/dev/nvidia0"))
+def test_nvidia_device_node_counts_as_gpu(role_eval: Any, hardware: Any, debian_container: dict) -> None:
+    r = role_eval("nvidia_driver", debian_container, shardstack_hardware=hardware(devnodes=("/dev/nvidia0",)))
     assert r["__nvidia_driver_gpu_found"] is True
 
 
@@ -75,13 +77,13 @@ def test_nvidia_device_node_counts_as_gpu(role_eval: Any, find_result: Any, debi
     ],
 )
 def test_nvidia_loaded_matching_driver_is_left_alone(
-    role_eval: Any, find_result: Any, debian_container: dict, loaded: str, branch: str, version: str, left_alone: bool
+    role_eval: Any, hardware: Any, debian_container: dict, loaded: str, branch: str, version: str, left_alone: bool
 ) -> None:
     module = {"content": base64.b64encode(loaded.encode()).decode()} if loaded else {}
     r = role_eval(
         "nvidia_driver",
         _bare_metal(debian_container),
-        __nvidia_driver_pci=find_result(GPU),
+        shardstack_hardware=hardware(pci=(GPU,)),
         __nvidia_driver_module_version=module,
         nvidia_driver_branch=branch,
         nvidia_driver_version=version,
@@ -96,35 +98,32 @@ def test_nvidia_loaded_matching_driver_is_left_alone(
     ("source", "kernel_pkg"),
     [("distro", "nvidia-kernel-dkms"), ("cuda_repo", "cuda-drivers-535")],
 )
-def test_nvidia_packages_by_source(
-    role_eval: Any, find_result: Any, debian_container: dict, source: str, kernel_pkg: str
-) -> None:
+def test_nvidia_packages_by_source(role_eval: Any, debian_container: dict, source: str, kernel_pkg: str) -> None:
     r = role_eval("nvidia_driver", debian_container, nvidia_driver_source=source)
     assert kernel_pkg in r["__nvidia_driver_kernel_effective"]
     assert r["__nvidia_driver_userspace_effective"] == ["nvidia-smi", "libnvidia-ml1"]
 
 
-def test_nvidia_ubuntu_and_rhel_dispatch(role_eval: Any, find_result: Any, debian_container: dict) -> None:
+def test_nvidia_ubuntu_and_rhel_dispatch(role_eval: Any, debian_container: dict) -> None:
     ubuntu = {**debian_container, "distribution": "Ubuntu", "distribution_version": "22.04"}
     r = role_eval("nvidia_driver", ubuntu)
     assert r["__nvidia_driver_userspace_effective"][0] == "nvidia-utils-535-server"
-    assert r["__nvidia_driver_cuda_repo_distro"] == "ubuntu2204"
     rhel = {**debian_container, "distribution": "Rocky", "os_family": "RedHat", "distribution_major_version": "9"}
     r = role_eval("nvidia_driver", rhel, nvidia_driver_source="cuda_repo")
     assert "@nvidia-driver:535-dkms" in r["__nvidia_driver_kernel_effective"]
-    assert r["__nvidia_driver_cuda_repo_distro"] == "rhel9"
 
 
 @pytest.mark.parametrize(("pci", "force", "enabled"), [([], False, False), ([], True, True), ([GPU], False, True)])
 def test_cuda_toolkit_gate(
-    role_eval: Any, find_result: Any, debian_container: dict, pci: list, force: bool, enabled: bool
+    role_eval: Any, hardware: Any, debian_container: dict, pci: list, force: bool, enabled: bool
 ) -> None:
-    r = role_eval("cuda_toolkit", debian_container, __cuda_toolkit_pci=find_result(*pci), cuda_toolkit_force=force)
+    r = role_eval("cuda_toolkit", debian_container, shardstack_hardware=hardware(pci=tuple(pci)),
+                  cuda_toolkit_force=force)
     assert r["__cuda_toolkit_enabled"] is enabled
     assert ("skipped: no NVIDIA GPU found" in r["__cuda_toolkit_reason"]) is (not enabled)
 
 
-def test_cuda_repo_home_and_package(role_eval: Any, find_result: Any, debian_container: dict) -> None:
+def test_cuda_repo_home_and_package(role_eval: Any, debian_container: dict) -> None:
     r = role_eval("cuda_toolkit", debian_container, cuda_toolkit_source="cuda_repo", cuda_toolkit_version="12.4")
     assert r["__cuda_toolkit_packages_effective"] == ["cuda-toolkit-12-4"]
     assert r["__cuda_toolkit_home"] == "/usr/local/cuda-12.4"
@@ -141,7 +140,7 @@ def test_cuda_repo_home_and_package(role_eval: Any, find_result: Any, debian_con
 )
 def test_rdma_gate(
     role_eval: Any,
-    find_result: Any,
+    hardware: Any,
     debian_container: dict,
     ib: list,
     force: bool,
@@ -151,7 +150,7 @@ def test_rdma_gate(
     peermem: bool,
 ) -> None:
     facts = debian_container if container else _bare_metal(debian_container)
-    r = role_eval("rdma", facts, __rdma_ib=find_result(*ib), __rdma_pci=find_result(GPU), rdma_force=force)
+    r = role_eval("rdma", facts, shardstack_hardware=hardware(pci=(GPU,), rdma=tuple(ib)), rdma_force=force)
     assert r["__rdma_enabled"] is enabled
     assert r["__rdma_kernel"] is kernel
     assert r["__rdma_peermem"] is peermem
@@ -160,35 +159,30 @@ def test_rdma_gate(
         assert r["__rdma_reason"].startswith("skipped: no RDMA device under /sys/class/infiniband")
 
 
-def test_rdma_no_peermem_without_gpu(role_eval: Any, find_result: Any, debian_container: dict) -> None:
-    r = role_eval("rdma", _bare_metal(debian_container), __rdma_ib=find_result("/sys/class/infiniband/mlx5_0"))
+def test_rdma_no_peermem_without_gpu(role_eval: Any, hardware: Any, debian_container: dict) -> None:
+    r = role_eval("rdma", _bare_metal(debian_container), shardstack_hardware=hardware(rdma=(IB,)))
     assert r["__rdma_peermem"] is False
     assert r["__rdma_modules_effective"] == ["ib_uverbs", "rdma_ucm", "ib_umad"]
 
 
-IB = "/sys/class/infiniband/mlx5_0"
-GATES = {  # role: (its own registered probes, the decisions it derives)
-    "nvidia_driver": (["__nvidia_driver_pci", "__nvidia_driver_devnodes"], ["__nvidia_driver_enabled"]),
-    "cuda_toolkit": (["__cuda_toolkit_pci", "__cuda_toolkit_devnodes"], ["__cuda_toolkit_enabled"]),
-    "nccl": (["__nccl_pci", "__nccl_devnodes", "__nccl_ib_devices"], ["__nccl_install", "__nccl_ib_found"]),
-    "rdma": (["__rdma_ib", "__rdma_pci"], ["__rdma_enabled", "__rdma_gpu_found"]),
-    "dcgm_exporter": (["__dcgm_exporter_pci", "__dcgm_exporter_devnodes"], ["__dcgm_exporter_enabled"]),
+GATES = {  # role: the decisions it derives from shardstack_hardware
+    "nvidia_driver": ["__nvidia_driver_enabled"],
+    "cuda_toolkit": ["__cuda_toolkit_enabled"],
+    "nccl": ["__nccl_install", "__nccl_ib_found"],
+    "rdma": ["__rdma_enabled", "__rdma_gpu_found"],
+    "dcgm_exporter": ["__dcgm_exporter_enabled"],
 }
 
 
 @pytest.mark.parametrize("role", sorted(GATES))
 @pytest.mark.parametrize("present", [True, False], ids=["gpu+ib", "bare"])
-def test_site_preflight_hardware_takes_precedence_over_the_roles_own_probes(
-    role_eval: Any, find_result: Any, debian_container: dict, role: str, present: bool
+def test_roles_gate_on_the_one_hardware_fact(
+    role_eval: Any, hardware: Any, debian_container: dict, role: str, present: bool
 ) -> None:
-    """site.yml probes once and publishes `shardstack_hardware`; the roles then skip their own probes. Their
-    registered results are the opposite here, so a decision that followed them would fail."""
-    hardware = {"nvidia_pci_functions": [GPU] if present else [], "nvidia_device_nodes": [],
-                "rdma_devices": [IB] if present else []}
-    registers, decisions = GATES[role]
-    stale = {reg: find_result() if present else find_result(GPU if "ib" not in reg else IB) for reg in registers}
-    r = role_eval(role, _bare_metal(debian_container), shardstack_hardware=hardware, **stale)
-    assert [r[d] for d in decisions] == [present] * len(decisions)
+    """The one probe (shardstack_common) decides for every role: no role keeps a probe of its own."""
+    fact = hardware(pci=(GPU,), rdma=(IB,)) if present else hardware()
+    r = role_eval(role, _bare_metal(debian_container), shardstack_hardware=fact)
+    assert [r[d] for d in GATES[role]] == [present] * len(GATES[role])
     if role == "rdma":
         assert r["__rdma_devices"] == (["mlx5_0"] if present else [])
 
@@ -197,7 +191,7 @@ def test_site_preflight_hardware_takes_precedence_over_the_roles_own_probes(
     ("container", "force", "kernel"), [(True, False, False), (True, True, True), (False, False, True)]
 )
 def test_shared_storage_nfs_gate(
-    role_eval: Any, find_result: Any, debian_container: dict, container: bool, force: bool, kernel: bool
+    role_eval: Any, debian_container: dict, container: bool, force: bool, kernel: bool
 ) -> None:
     facts = debian_container if container else _bare_metal(debian_container)
     r = role_eval(

@@ -9,21 +9,19 @@ def _lines(text: str) -> list[str]:
     return [line for line in text.splitlines() if line and not line.startswith("#")]
 
 
-def test_nccl_conf_defaults_pick_the_ansible_interface(
-    role_eval: Any, find_result: Any, debian_container: dict
-) -> None:
-    r = role_eval("nccl", debian_container, ansible_host="10.0.0.11", __nccl_ib_devices=find_result())
+def test_nccl_conf_defaults_pick_the_ansible_interface(role_eval: Any, hardware: Any, debian_container: dict) -> None:
+    r = role_eval("nccl", debian_container, ansible_host="10.0.0.11", shardstack_hardware=hardware())
     text = r.render("nccl.conf.j2")
     assert text.startswith("#\n# Ansible managed\n#\n")
     assert _lines(text) == ["NCCL_SOCKET_IFNAME=eth0", "NCCL_IB_DISABLE=1", "NCCL_DEBUG=WARN"]
 
 
-def test_nccl_conf_infiniband_node(role_eval: Any, find_result: Any, debian_container: dict) -> None:
+def test_nccl_conf_infiniband_node(role_eval: Any, hardware: Any, debian_container: dict) -> None:
     r = role_eval(
         "nccl",
         debian_container,
         ansible_host="10.0.0.11",
-        __nccl_ib_devices=find_result("/sys/class/infiniband/mlx5_0"),
+        shardstack_hardware=hardware(rdma=("/sys/class/infiniband/mlx5_0",)),
         nccl_socket_ifname="bond0",
         nccl_ib_hca="=mlx5_0:1,mlx5_1:1",
         nccl_ib_gid_index=3,
@@ -47,8 +45,8 @@ def test_nccl_ifname_falls_back_to_the_default_route(role_eval: Any, debian_cont
     assert role_eval("nccl", facts, ansible_host="gpu01.example")["__nccl_socket_ifname"] == "ens5"
 
 
-def test_nccl_ib_disable_forced_off(role_eval: Any, find_result: Any, debian_container: dict) -> None:
-    r = role_eval("nccl", debian_container, __nccl_ib_devices=find_result(), nccl_ib_disable="false")
+def test_nccl_ib_disable_forced_off(role_eval: Any, hardware: Any, debian_container: dict) -> None:
+    r = role_eval("nccl", debian_container, shardstack_hardware=hardware(), nccl_ib_disable="false")
     assert "NCCL_IB_DISABLE=0" in _lines(r.render("nccl.conf.j2"))
 
 

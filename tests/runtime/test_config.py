@@ -8,7 +8,8 @@ import sys
 import pytest
 from shardstack.cli import main
 from shardstack.errors import ShardstackError
-from shardstack.model.factory import gpt_fields
+from shardstack.model.factory import arch_config
+from shardstack.model.gpt import GPTConfig
 from shardstack.train.config import config_from_dict, load_config
 
 
@@ -23,7 +24,7 @@ def test_yaml_and_overrides(tmp_path):
     p.write_text("model: {size: tiny, d_model: 96, n_head: 3}\noptimizer: {lr: 3e-4}\nengine: {stage: 1}\n")
     cfg = load_config(p)
     assert cfg.optimizer.lr == pytest.approx(3e-4)  # YAML 1.1 reads 3e-4 as a string; accepted as a number
-    assert gpt_fields(cfg.model) == {"n_layer": 2, "n_head": 3, "d_model": 96, "seq_len": 64}
+    assert arch_config(cfg.model) == GPTConfig(n_layer=2, n_head=3, d_model=96, seq_len=64)
 
 
 @pytest.mark.parametrize(

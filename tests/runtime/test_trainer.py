@@ -16,13 +16,10 @@ import pytest
 import torch
 from shardstack.errors import ShardstackError
 from shardstack.model.factory import build_model
-from shardstack.model.gpt import GPT, GPTConfig
 from shardstack.train import dist
 from shardstack.train.config import config_from_dict
 from shardstack.train.data import prepare
-from shardstack.train.engine import build_engine
-from shardstack.train.memory.autobatch import divisors_desc, pick_cpu
-from shardstack.train.memory.estimate import estimate, estimate_stage
+from shardstack.train.memory.estimate import estimate
 from shardstack.train.metrics import TrainMetrics
 from shardstack.train.optim import lr_lambda
 from shardstack.train.trainer import train
@@ -117,24 +114,6 @@ def test_metrics_endpoint_serves_the_gauges():
                         ("shardstack_train_mfu_ratio", "0.4")]:
         assert f"\n{name} {value}\n" in body
     assert "shardstack_train_last_step_timestamp_seconds " in body
-
-
-def test_auto_micro_batch_on_cpu_fits_the_budget(world1):
-    cfg = config_from_dict({"model": TINY, "batch": {"global_batch": 16, "micro_batch": "auto"}})
-    torch.manual_seed(0)
-    engine = build_engine(GPT(GPTConfig(**{k: v for k, v in TINY.items() if k != "size"})), cfg.engine,
-                          cfg.optimizer, world1)
-
-    def peak(mb: int) -> int:
-        return estimate_stage(engine.module, engine.cfg, 3, 1, 0, weight_decay=0.1, micro_batch=mb, seq_len=32,
-                              accumulation=16 // mb).peak
-
-    assert divisors_desc(16) == [16, 8, 4, 2, 1]
-    assert pick_cpu(cfg, engine, 16, 32, budget=peak(4)) == 4
-    assert pick_cpu(cfg, engine, 16, 32, budget=peak(8) + 1) == 8
-    assert pick_cpu(cfg, engine, 16, 32, budget=10**12) == 16
-    with pytest.raises(Exception, match="micro_batch 1 fits"):
-        pick_cpu(cfg, engine, 16, 32, budget=peak(1) - 1)
 
 
 @pytest.mark.parametrize("under_torchrun", [True, False])

@@ -1,5 +1,8 @@
 """Fixtures that run the real service: `python -m shardstack serve` in a subprocess on a free loopback port,
-with $NOTIFY_SOCKET pointing at a unix datagram socket the test owns (what systemd would provide)."""
+with $NOTIFY_SOCKET pointing at a unix datagram socket the test owns (what systemd would provide).
+
+`svc`/`client` is one token-protected service shared by the API tests and the fuzz test (one start-up, not two,
+on a 2-core machine)."""
 
 from __future__ import annotations
 
@@ -127,3 +130,24 @@ def running_service(model: Path, workdir: Path, *args: str, env: dict[str, str] 
     finally:
         if svc.proc.poll() is None:
             svc.stop()
+
+
+TOKEN = "s3cret-token"
+AUTH = {"Authorization": f"Bearer {TOKEN}"}
+JSON = {**AUTH, "Content-Type": "application/json"}
+
+
+@pytest.fixture(scope="session")
+def svc(model_dir: Path) -> Iterator[Service]:
+    with tempfile.TemporaryDirectory(prefix="ss-") as tmp:
+        token_file = Path(tmp) / "token"
+        token_file.write_text(TOKEN + "\n")
+        with running_service(model_dir, Path(tmp), "--token-file", str(token_file), "--max-tokens", "64",
+                             "--max-body-bytes", "65536", "--max-concurrency", "8") as s:
+            yield s
+
+
+@pytest.fixture(scope="session")
+def client(svc: Service) -> Iterator[httpx.Client]:
+    with httpx.Client(base_url=svc.url, timeout=60) as c:
+        yield c

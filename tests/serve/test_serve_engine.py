@@ -1,8 +1,9 @@
 """The continuous-batching engine in-process: batched results equal one-at-a-time results, slots are reused,
-admission is bounded, cancellation frees a slot."""
+admission is bounded, cancellation frees a slot, and a request that fails takes no neighbour down with it."""
 
 from __future__ import annotations
 
+import copy
 import threading
 import time
 from collections.abc import Iterator
@@ -30,16 +31,28 @@ def engine(model) -> Iterator[Scheduler]:
     eng.stop()
 
 
+@pytest.fixture
+def wide_engine(model) -> Iterator[Scheduler]:
+    """Room for a whole test batch at once: 5 requests, 8 slots."""
+    eng = Scheduler(model, max_batch=8, max_queue=0, device="cpu", dtype=torch.float32)
+    eng.start()
+    yield eng
+    eng.stop()
+
+
 class Collector:
     def __init__(self) -> None:
         self.data = b""
         self.finish: str | None = None
+        self.error: str | None = None
+        self.events = 0
         self.done = threading.Event()
 
     def __call__(self, ev: Output) -> None:
         self.data += ev.data
+        self.events += 1
         if ev.finish_reason or ev.error:
-            self.finish = ev.finish_reason
+            self.finish, self.error = ev.finish_reason, ev.error
             self.done.set()
 
 
@@ -68,6 +81,67 @@ def test_batched_generation_matches_one_at_a_time(engine: Scheduler) -> None:
     assert [(c.data, c.finish) for c in collectors] == alone
     assert all(finish == "length" and len(data) == 24 for data, finish in alone)
     assert engine.steps - steps_alone < 4 * 24  # the batch shared steps (~24-30), alone they took 96
+
+
+def _batch_with(engine: Scheduler, bad: Sequence, bad_collector: Collector) -> None:
+    """Run `bad` in one batch with the four PROMPTS (two streamed, two not): only `bad` fails, the others give
+    exactly what they give alone, and the engine goes on serving."""
+    alone = [engine.generate(list(p), 24, sp) for p, sp in zip(PROMPTS, PARAMS, strict=True)]
+    collectors = [Collector() for _ in PROMPTS]
+    seqs = [Sequence(list(p), 24, sp, [], c, stream=i % 2 == 0)
+            for i, (p, sp, c) in enumerate(zip(PROMPTS, PARAMS, collectors, strict=True))]
+    steps = engine.steps
+    with engine._cond:  # held while submitting, so the loop admits all five in one go and they share every step
+        for seq in [*seqs[:2], bad, *seqs[2:]]:
+            engine.submit(seq)
+    for c in [*collectors, bad_collector]:
+        assert c.done.wait(30)
+    assert engine.steps - steps <= 25  # one batch: 24 tokens each in ~24 shared steps
+    assert bad_collector.error is not None and bad_collector.finish is None
+    assert [(c.data, c.finish, c.error) for c in collectors] == [(d, f, None) for d, f in alone]
+    assert collectors[1].events == 1 and collectors[0].events > 1  # non-streamed and streamed neighbours
+    _wait_idle(engine)
+    assert engine.counts() == (0, 0)  # the failed request's slot was freed
+    assert engine.generate(list(b"still serving"), 4, SamplingParams())[1] == "length"
+
+
+def test_unusable_sampling_parameters_fail_one_request_not_its_batch(wide_engine: Scheduler) -> None:
+    # top_p=1e-300 is positive in float64 and 0 in float32: on main, sampling raised and all 5 requests failed.
+    # The HTTP schema refuses it; the engine must contain it anyway (library callers bypass the schema).
+    c = Collector()
+    _batch_with(wide_engine, Sequence(list(b"poisoned"), 24, SamplingParams(temperature=1.0, top_p=1e-300), [], c), c)
+    assert c.error is not None and c.error.startswith("sampling failed") and c.data == b""
+
+
+def test_an_exception_in_a_requests_callback_fails_it_alone(wide_engine: Scheduler) -> None:
+    c = Collector()
+
+    def emit(ev: Output) -> None:
+        if ev.error is None:
+            raise RuntimeError("client callback broke")
+        c(ev)
+
+    _batch_with(wide_engine, Sequence(list(b"raises"), 24, SamplingParams(temperature=0.0), [], emit), c)
+    assert c.error == "engine error: RuntimeError"
+
+
+def test_a_row_of_nan_logits_fails_its_request_alone(model, wide_engine: Scheduler) -> None:
+    # A real model with one corrupted embedding row: only a sequence holding that byte gets NaN logits, so the byte
+    # is one that neither the prompts nor what the healthy model generates from them contain.
+    healthy = [wide_engine.generate(list(p), 24, sp)[0] for p, sp in zip(PROMPTS, PARAMS, strict=True)]
+    seen = b"".join(PROMPTS + healthy)
+    nan_byte = next(b for b in range(1, 256) if b not in seen)
+    broken = copy.deepcopy(model)
+    broken.tok_emb.weight = torch.nn.Parameter(broken.tok_emb.weight.detach().clone())  # untie from lm_head
+    broken.tok_emb.weight.data[nan_byte] = float("nan")
+    eng = Scheduler(broken, max_batch=8, max_queue=0, device="cpu", dtype=torch.float32)
+    eng.start()
+    try:
+        c = Collector()
+        _batch_with(eng, Sequence([*b"bad ", nan_byte], 24, SamplingParams(temperature=0.0), [], c), c)
+        assert c.error is not None and c.error.startswith("sampling failed")
+    finally:
+        eng.stop()
 
 
 def test_more_requests_than_slots_reuse_slots_and_queue_is_bounded(engine: Scheduler) -> None:

@@ -17,6 +17,7 @@ from pathlib import Path
 
 import httpx
 import pytest
+from shardstack.serve.protocol import ErrorBody
 
 from .conftest import Service, running_service
 
@@ -55,7 +56,8 @@ def test_overload_gets_429_with_retry_after_and_no_5xx(small_svc: Service) -> No
     for r in responses:
         if r.status_code == 429:
             assert int(r.headers["retry-after"]) >= 1
-            assert r.json()["error_type"] == "rate_limit_exceeded"
+            err = ErrorBody.model_validate_json(r.content).error
+            assert (err.type, err.code) == ("rate_limit_error", "rate_limit_exceeded")
         else:
             assert r.json()["usage"]["completion_tokens"] == 96
             assert r.json()["choices"][0]["finish_reason"] == "length"
@@ -90,12 +92,17 @@ def test_hung_engine_fails_health_and_starves_the_watchdog(model_dir: Path, work
         svc.notify.poll(0.1)
         assert svc.notify.count("WATCHDOG") >= 1  # fed while the loop iterates
 
-        def doomed() -> None:
-            with contextlib.suppress(httpx.HTTPError):  # it never finishes; the drain at teardown aborts it
-                _complete(svc.url, {"prompt": "hang the engine", "max_tokens": 8}, timeout=15)
+        lines: list[str] = []
+
+        def doomed() -> None:  # streamed: its headers go out before the engine hangs; the drain at teardown aborts it
+            body = {"prompt": "hang the engine", "max_tokens": 8, "stream": True}
+            with contextlib.suppress(httpx.HTTPError), httpx.stream("POST", svc.url + "/v1/completions", json=body,
+                                                                    timeout=30) as r:
+                lines.extend(line for line in r.iter_lines() if line)
 
         t0 = time.monotonic()
-        threading.Thread(target=doomed, daemon=True).start()
+        doomed_thread = threading.Thread(target=doomed, daemon=True)
+        doomed_thread.start()
         while (r := httpx.get(svc.url + "/health")).status_code == 200:
             assert time.monotonic() - t0 < 1 + 3, "/health still 200 well past the 1 s stall bound"
             time.sleep(0.1)
@@ -103,13 +110,18 @@ def test_hung_engine_fails_health_and_starves_the_watchdog(model_dir: Path, work
         assert r.status_code == 503 and r.json()["status"] == "stalled", r.text
         assert 0.9 < elapsed < 4, elapsed
         new = _complete(svc.url, {"prompt": "anyone?", "max_tokens": 2})
-        assert new.status_code == 503 and "no progress" in new.json()["error"]
+        assert new.status_code == 503 and "no progress" in ErrorBody.model_validate_json(new.content).error.message
         # No WATCHDOG=1 once stalled: systemd would now kill and restart the unit.
         svc.notify.poll(0.3)
         quiet_since = time.monotonic()
         svc.notify.poll(1.2)
         assert svc.notify.count("WATCHDOG", since=quiet_since) == 0
         assert "engine loop stalled" in svc.log()
+    # The stream already had its 200: the abort reached it in-band, in the same error shape, then [DONE].
+    doomed_thread.join(30)
+    assert lines[-1] == "data: [DONE]", lines
+    err = ErrorBody.model_validate_json(lines[-2].removeprefix("data: ")).error
+    assert (err.type, err.code) == ("server_error", "unavailable") and "aborted" in err.message
 
 
 def test_model_that_fails_to_load_exits_nonzero_without_ready(model_dir: Path, workdir: Path) -> None:
@@ -172,7 +184,8 @@ def test_sigterm_drains_in_flight_refuses_new_and_exits_zero(small_svc: Service)
     health = httpx.get(svc.url + "/health")
     refused = _complete(svc.url, {"prompt": "too late", "max_tokens": 4})
     assert (health.status_code, health.json()["status"]) == (503, "draining")
-    assert refused.status_code == 503 and refused.json()["error_type"] == "unavailable"
+    assert refused.status_code == 503
+    assert ErrorBody.model_validate_json(refused.content).error.code == "unavailable"
     assert refused.headers["retry-after"] == "1"
     for t in threads:
         t.join(120)

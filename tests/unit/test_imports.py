@@ -20,6 +20,7 @@ FORBIDDEN: dict[str, set[str]] = {
     "lab": {"model", "train", "serve", "ops", "cli"},
     "ops": {"serve", "lab", "cli"},
     "errors": {"model", "train", "serve", "ops", "lab", "cli"},
+    "accel": {"model", "train", "serve", "ops", "lab", "cli"},
 }
 
 

@@ -21,6 +21,7 @@ _COMMAND_MODULES: list[tuple[str, str, str]] = [
     ("check", "shardstack.cli.deploy", "preflight: reach every node, check the inventory"),
     ("validate", "shardstack.cli.deploy", "validate a deployed cluster: GPUs, NCCL, all-reduce, storage, inference"),
     ("data", "shardstack.cli.data", "prepare token shards for training"),
+    ("tokenizer", "shardstack.cli.tokenizer", "train a byte-level BPE tokenizer"),
     ("train", "shardstack.cli.train", "training: run a job here, or submit/status/stop/logs on the cluster"),
     ("estimate", "shardstack.cli.estimate", "predict per-rank training memory for each ZeRO stage"),
     ("checkpoint", "shardstack.cli.checkpoint", "list and verify training checkpoints"),

@@ -8,16 +8,28 @@ import argparse
 def register(sub: argparse._SubParsersAction) -> None:
     data = sub.add_parser("data", help="prepare token shards")
     data_sub = data.add_subparsers(dest="data_command", metavar="ACTION", required=True)
-    prep = data_sub.add_parser("prepare", help="tokenise text into uint16 shards (byte-level tokenizer)")
+    prep = data_sub.add_parser("prepare", help="tokenise text into uint16/uint32 shards")
     prep.add_argument("input", nargs="?", default=None,
                       help="a text file or a directory of *.txt (default: the corpus shipped with shardstack)")
     prep.add_argument("--out", required=True, help="output directory (meta.json + tokens-*.bin)")
+    prep.add_argument("--tokenizer", default="bytes", metavar="DIR|bytes",
+                      help="bytes (default: token = byte) or a directory with tokenizer.json (`shardstack tokenizer "
+                           "train`, or a Hugging Face model's)")
+    prep.add_argument("--workers", type=int, default=None, help="encoding processes (default: one per CPU)")
     prep.set_defaults(func=_prepare)
 
 
 def _prepare(args: argparse.Namespace) -> int:
+    from rich.progress import BarColumn, DownloadColumn, Progress, TimeRemainingColumn
+
+    from shardstack.cli.output import console
     from shardstack.train.data import prepare
 
-    meta = prepare(args.input, args.out)
-    print(f"{meta['total_tokens']} tokens in {len(meta['shards'])} shard(s) → {args.out} (tokenizer: bytes)")
+    columns = ("[progress.description]{task.description}", BarColumn(), DownloadColumn(), TimeRemainingColumn())
+    with Progress(*columns, console=console, transient=True) as bar:
+        task = bar.add_task("tokenising", total=None)
+        meta = prepare(args.input, args.out, tokenizer=args.tokenizer, workers=args.workers,
+                       progress=lambda done, total: bar.update(task, completed=done, total=total))
+    print(f"{meta['total_tokens']} tokens in {len(meta['shards'])} shard(s) of {meta['dtype']} → {args.out} "
+          f"(tokenizer: {meta['tokenizer']}, vocabulary {meta['vocab_size']})")
     return 0

@@ -55,7 +55,7 @@ def _demo(args: argparse.Namespace) -> int:
             raise ShardstackError("site.yml failed on the lab; see the table above", exit_code=EXIT_FAILED_HOSTS)
 
         t = time.monotonic()
-        job = train.demo_job(args.steps, cluster.SHARED_DIR)
+        job = train.demo_job(args.steps, cluster.shared_dir(cluster.inventory_hosts(inventory)))
         sub = train.submit(job, "demo", inventory, nodes=2, on_event=LiveProgress())
         if not sub.success:
             console.print(summary_table(sub, "train submit demo"))

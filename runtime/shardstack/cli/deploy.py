@@ -17,7 +17,7 @@ from shardstack.cli.output import EXIT_FAILED_HOSTS, EXIT_OK, LiveProgress, cons
 from shardstack.errors import ShardstackError
 from shardstack.ops.cluster import check_inventory
 from shardstack.ops.runner import RunResult, run_playbook
-from shardstack.ops.validate import run_validate
+from shardstack.ops.validate import node_facts, run_validate
 
 DEFAULT_INVENTORY = Path("inventory/lab/hosts.yml")
 
@@ -94,12 +94,13 @@ def _check(args: argparse.Namespace) -> int:
 def validate_tables(data: dict[str, Any]) -> list[Table]:
     tables = []
     nodes = Table(title="validate: nodes")
-    for col in ("host", "GPUs / driver", "NCCL config", "storage write", "storage read (peer)", "same bytes"):
+    for col in ("host", "accelerator", "GPUs / driver / torch", "NCCL config", "storage write", "storage read (peer)",
+                "same bytes"):
         nodes.add_column(col)
     gpu, storage = data.get("validate_gpu") or {}, data.get("validate_storage") or {}
     for host in sorted(set(gpu) | set(storage)):
         g, s = gpu.get(host, {}), storage.get(host, {})
-        nodes.add_row(host, ", ".join(g.get("gpus") or []) or g.get("driver", ""),
+        nodes.add_row(host, str((g.get("accel") or {}).get("accelerator") or "-"), _gpu_cell(g),
                       "\n".join(g.get("nccl_conf") or []) or "-", _dd_rate(s.get("write", "")),
                       f"{_dd_rate(s.get('read', ''))} ({s.get('read_of', '')})",
                       str(s.get("peer_checksum_matches", "")))
@@ -120,6 +121,19 @@ def validate_tables(data: dict[str, Any]) -> list[Table]:
                   f"{float(inf.get('seconds', -1)):.3f}", repr(str(inf.get("text", ""))[:60]))
         tables.append(t)
     return tables
+
+
+def _gpu_cell(report: dict[str, Any]) -> str:
+    facts = node_facts(report)
+    if facts is None:
+        return "no facts"
+    if not facts.has_nvidia:
+        return f"no NVIDIA hardware (CPU node), torch {facts.torch_version}"
+    smi = facts.smi_output if facts.smi_rc == 0 else []
+    cuda = "CUDA ok" if facts.cuda_available else "CUDA unusable" if facts.torch_cuda else "CPU build"
+    dcgm = {None: "", 0: ", DCGM diag passed"}.get(facts.dcgm_rc, ", DCGM diag failed")
+    return "\n".join([*smi] or [f"{len(facts.gpus)} NVIDIA GPU(s)"]) + (
+        f"\ndriver {facts.driver_version or 'not loaded'}, torch {facts.torch_version} ({cuda}){dcgm}")
 
 
 def _dd_rate(line: str) -> str:

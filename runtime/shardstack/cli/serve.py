@@ -93,8 +93,10 @@ def run(args: argparse.Namespace) -> int:
 
     from shardstack.serve.lifecycle import Service
     from shardstack.serve.server import serve
-    from shardstack.serve.settings import ServeSettings
+    from shardstack.serve.settings import ServeSettings, resolve_device
 
+    # Before the server starts, so a GPU node that cannot run CUDA exits 2 with the cause instead of serving on CPU.
+    device = str(resolve_device(args.device))
     # Leave a core to the HTTP event loop: intra-op threads competing with it for every core cost more in
     # latency than they gain on the small per-step matmuls of decoding.
     torch.set_num_threads(args.threads or max(1, (os.cpu_count() or 1) - 1))
@@ -110,7 +112,7 @@ def run(args: argparse.Namespace) -> int:
         max_body_bytes=args.max_body_bytes,
         max_prefill_tokens=args.max_prefill_tokens,
         token=token,
-        device=args.device,
+        device=device,
         dtype=args.dtype,
         stall_seconds=args.stall_seconds,
         drain_seconds=args.drain_seconds,

@@ -1,4 +1,4 @@
-"""`shardstack wheelhouse`: build (or find cached) the offline wheelhouse the nodes install shardstack from."""
+"""`shardstack wheelhouse`: build (or find cached) the offline, hash-locked wheelhouse of one accelerator class."""
 
 from __future__ import annotations
 
@@ -7,22 +7,50 @@ import json
 import sys
 from pathlib import Path
 
+from shardstack.accel import BY_NAME, accelerator_class, probe
 from shardstack.ops.runner import project_dir
-from shardstack.ops.wheelhouse import build
+from shardstack.ops.wheelhouse import accelerator, build, resolve
 
 
 def register(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("wheelhouse", help="build the offline wheelhouse the nodes install shardstack from")
+    p.add_argument("--accelerator", default="cpu", choices=[*BY_NAME, "auto"],
+                   help="the torch build: cpu (default, the lab's), a CUDA class, or auto (this machine's hardware "
+                        "and loaded driver)")
+    p.add_argument("--driver-branch", default=None, help="with auto: decide for this driver branch instead")
+    p.add_argument("--dry-run", action="store_true",
+                   help="resolve only: print the files the lock would pin, download nothing")
     p.add_argument("--cache", type=Path, default=None, help="cache directory (default $SHARDSTACK_CACHE/wheelhouse)")
     p.add_argument("--json", action="store_true", help="print the result as JSON")
     p.set_defaults(func=_cli)
 
 
 def _cli(args: argparse.Namespace) -> int:
-    wh = build(project_dir(), args.cache, log=lambda m: print(m, file=sys.stderr))
+    def say(msg: str) -> None:
+        print(msg, file=sys.stderr)
+
+    if args.accelerator == "auto":
+        facts = probe(torch_facts=False)
+        choice = accelerator_class(facts.hardware(), args.driver_branch or facts.driver_version)
+        say(f"wheelhouse: accelerator {choice.accel.name}: {choice.reason}")
+        accel = choice.accel
+    else:
+        accel = accelerator(args.accelerator)
+    if args.dry_run:
+        pins = resolve(project_dir(), accel)
+        if args.json:
+            print(json.dumps({"accelerator": accel.name, "torch": accel.torch_version,
+                              "pins": [{"name": p.name, "version": p.version, "file": p.filename, "sha256": p.sha256}
+                                       for p in pins]}, indent=2))
+        else:
+            for p in pins:
+                print(f"{p.name}=={p.version}  {p.filename}  sha256:{p.sha256 or '(computed on download)'}")
+        return 0
+    wh = build(project_dir(), args.cache, accel=accel, log=say)
     if args.json:
         print(json.dumps(wh.to_dict(), indent=2))
     else:
         state = "built" if wh.built else "cached"
-        print(f"{wh.path}  ({state}, {wh.files} wheels, {wh.bytes / 2**20:.0f} MiB, {wh.seconds:.1f}s)")
+        print(f"{wh.path}  ({wh.accelerator}, torch {wh.torch}, {state}, {wh.files} wheels, "
+              f"{wh.bytes / 2**20:.0f} MiB, lock {wh.lock}, {wh.seconds:.1f}s)")
     return 0

@@ -2,7 +2,8 @@
 
 The same module trains (full causal attention) and serves: with a `KVCache`, `forward` appends each row's new
 keys/values into its own cache slot at its own position, so a batch can mix sequences of different lengths
-(continuous batching). The shard unit for FSDP2 is one `Block` (`model.blocks`).
+(continuous batching). The shard unit for FSDP2 is one `Block` (`model.blocks`). Built on the meta device it holds
+no memory; `init_param` is its initialisation, applied per shard by `shardstack.model.init`.
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from shardstack.model.init import init_parameters
 from shardstack.model.kvcache import KVCache, LayerCache
 
 BYTE_VOCAB = 256  # the default byte-level tokenizer: token id == byte value
@@ -38,6 +40,10 @@ class GPTConfig:
     @property
     def head_dim(self) -> int:
         return self.d_model // self.n_head
+
+    @property
+    def n_kv_head(self) -> int:  # the KV cache's heads: every head has its own keys and values here
+        return self.n_head
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -111,16 +117,20 @@ class GPT(nn.Module):
             self.lm_head.weight = self.tok_emb.weight
         self.reset_parameters()
 
-    def reset_parameters(self) -> None:
-        """GPT-2 init; residual projections scaled by 1/sqrt(2·layers). Deterministic under torch.manual_seed."""
-        for name, p in self.named_parameters():
-            if p.dim() >= 2:
-                std = 0.02 / math.sqrt(2 * self.config.n_layer) if name.endswith("proj.weight") else 0.02
-                nn.init.normal_(p, mean=0.0, std=std)
-            elif name.endswith("bias"):
-                nn.init.zeros_(p)
-            else:
-                nn.init.ones_(p)
+    def reset_parameters(self, seed: int | None = None) -> None:
+        """Initialise from `seed` (default: torch's, so `torch.manual_seed(s); GPT(c)` is the trainer's init with
+        seed s). On the meta device this does nothing: the trainer fills the shards after sharding."""
+        init_parameters(self, torch.initial_seed() if seed is None else seed)
+
+    def init_param(self, name: str, rows: torch.Tensor, generator: torch.Generator) -> None:
+        """GPT-2 init for rows of parameter `name`: normal(0.02), residual projections scaled by 1/sqrt(2·layers)."""
+        if rows.dim() >= 2:
+            std = 0.02 / math.sqrt(2 * self.config.n_layer) if name.endswith("proj.weight") else 0.02
+            rows.normal_(0.0, std, generator=generator)
+        elif name.endswith("bias"):
+            rows.zero_()
+        else:
+            rows.fill_(1.0)
 
     def forward(
         self,

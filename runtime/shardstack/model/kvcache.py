@@ -13,7 +13,7 @@ import torch
 
 class CacheShape(Protocol):
     n_layer: int
-    n_head: int
+    n_kv_head: int  # keys/values per layer: fewer than the query heads under grouped-query attention
     head_dim: int
 
 
@@ -21,7 +21,7 @@ class KVCache:
     """Key/value buffers for `slots` sequences of up to `max_len` tokens each, one pair per layer."""
 
     def __init__(self, config: CacheShape, slots: int, max_len: int, *, dtype: torch.dtype, device) -> None:
-        shape = (config.n_layer, slots, config.n_head, max_len, config.head_dim)
+        shape = (config.n_layer, slots, config.n_kv_head, max_len, config.head_dim)
         self.k = torch.zeros(shape, dtype=dtype, device=device)
         self.v = torch.zeros(shape, dtype=dtype, device=device)
         self.max_len = max_len

@@ -2,7 +2,8 @@
 
 Every rank contributes tensors filled with its rank + 1, so the reduced sum is checkable exactly
 (world·(world+1)/2); the timing gives bus bandwidth as nccl-tests define it: busbw = algbw · 2(n−1)/n.
-Rank 0 prints one JSON line. NCCL on GPUs, gloo on CPU — the same choice the trainer makes.
+Rank 0 prints one JSON line. NCCL on GPUs, gloo on CPU — the same choice the trainer makes (shardstack.accel):
+a node with NVIDIA GPUs that cannot run CUDA exits 2 with the cause instead of measuring gloo.
 """
 
 from __future__ import annotations
@@ -14,13 +15,17 @@ import socket
 import sys
 import time
 
+from shardstack.errors import ShardstackError
+
 
 def measure(mb: float, iters: int) -> dict:
     import torch
     import torch.distributed as dist
 
-    use_cuda = torch.cuda.is_available()
-    backend = "nccl" if use_cuda else "gloo"
+    from shardstack.accel import decide_device, probe
+
+    choice = decide_device(probe(), "auto", setting="the all-reduce check's device")
+    use_cuda, backend = choice.type == "cuda", choice.backend
     dist.init_process_group(backend)
     rank, world = dist.get_rank(), dist.get_world_size()
     device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0))) if use_cuda else torch.device("cpu")
@@ -64,11 +69,15 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--mb", type=float, default=16.0, help="tensor size in MiB (default 16)")
     p.add_argument("--iters", type=int, default=5, help="timed iterations (default 5)")
     args = p.parse_args(argv)
-    result = measure(args.mb, args.iters)
+    try:
+        result = measure(args.mb, args.iters)
+    except ShardstackError as exc:
+        print(f"shardstack.ops.allreduce: error: {exc}", file=sys.stderr, flush=True)
+        return exc.exit_code
     if result["rank"] == 0:
         print(json.dumps(result), flush=True)
     code = 0 if result["correct"] else 1
-    from shardstack.dist import leave_worker
+    from shardstack.train.dist import leave_worker
 
     leave_worker(code)
     return code

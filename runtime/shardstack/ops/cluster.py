@@ -16,20 +16,18 @@ from typing import Any
 
 from shardstack.errors import ShardstackError
 from shardstack.ops import train as train_ops
-from shardstack.ops.runner import project_dir, run_command
-
-VENV = "/opt/shardstack/venv"
-SHARED_DIR = "/srv/shardstack"  # training_runtime_shared_dir's default (the shared_storage mount point)
-LB_PORT = 8080  # loadbalancer_port's default
-SERVICE_USER = "shardstack"
+from shardstack.ops.runner import existing_inventory, project_dir, run_command, tools_on_path
 
 
 def inventory_hosts(inventory: Path) -> dict[str, Any]:
     """`ansible-inventory --list` through ansible-runner: {"groups": {name: [hosts]}, "hostvars": {...}}."""
     import ansible_runner
 
-    out, err = ansible_runner.get_inventory(action="list", inventories=[str(inventory.resolve())],
-                                            response_format="json", quiet=True)
+    inventory = existing_inventory(inventory)
+    # ansible-runner looks ansible-inventory up on this process's PATH, which need not hold this venv's bin/.
+    with tools_on_path():
+        out, err = ansible_runner.get_inventory(action="list", inventories=[str(inventory)],
+                                                response_format="json", quiet=True)
     if not isinstance(out, dict):
         raise ShardstackError(f"cannot read inventory {inventory}: {err or out}")
     hostvars = out.get("_meta", {}).get("hostvars", {})
@@ -58,6 +56,23 @@ def check_inventory(inventory: Path) -> list[str]:
     if len(inv["groups"].get("loadbalancer", [])) > 1:
         problems.append("more than one loadbalancer host: rollouts drain each, but clients need one address")
     return problems
+
+
+def setting(inv: dict[str, Any], name: str, role: str, group_name: str = "all") -> Any:
+    """A variable as the roles see it on the group's first host: the inventory's value, else the role's default.
+    Only plain values resolve here (no play runs): a default that is a template must be set in the inventory."""
+    hosts = inv["groups"].get(group_name) or []
+    hostvars = inv["hostvars"].get(hosts[0], {}) if hosts else {}
+    value = hostvars[name] if name in hostvars else _role_default(role, name)
+    if isinstance(value, str) and "{{" in value:
+        raise ShardstackError(f"{name}={value!r} is a template; only plain values resolve outside a play",
+                              hint=f"set {name} in the inventory's group_vars")
+    return value
+
+
+def shared_dir(inv: dict[str, Any]) -> str:
+    """The shared storage every node mounts (shardstack_shared_dir): data/, checkpoints/ and exports/ below it."""
+    return str(setting(inv, "shardstack_shared_dir", "shardstack_common"))
 
 
 def address(inv: dict[str, Any], host: str) -> str:
@@ -98,7 +113,7 @@ class ClusterExport:
     output: str
 
 
-def export_current(inventory: Path, checkpoint_dir: str, name: str, *, shared_dir: str = SHARED_DIR) -> ClusterExport:
+def export_current(inventory: Path, checkpoint_dir: str, name: str) -> ClusterExport:
     """Export the newest valid checkpoint to <shared>/exports/<name> and point <shared>/exports/current at it.
 
     The switch is a symlink rename, so an inference node (re)starting at any moment sees either the old or the
@@ -106,13 +121,15 @@ def export_current(inventory: Path, checkpoint_dir: str, name: str, *, shared_di
     """
     inv = inventory_hosts(inventory)
     head = group(inv, "train_nodes")[0]
-    models = f"{shared_dir}/exports"
+    venv = setting(inv, "training_runtime_venv", "training_runtime", "train_nodes")
+    user = setting(inv, "shardstack_user", "shardstack_common", "train_nodes")
+    models = f"{shared_dir(inv)}/exports"
     out = f"{models}/{name}"
     script = " && ".join(shlex.join(c) for c in (
-        [f"{VENV}/bin/shardstack", "export", "--checkpoint", checkpoint_dir, "--out", out],
+        [f"{venv}/bin/shardstack", "export", "--checkpoint", checkpoint_dir, "--out", out],
         ["ln", "-sfn", "--no-target-directory", name, f"{models}/.current.tmp"],
         ["mv", "-T", f"{models}/.current.tmp", f"{models}/current"]))
-    res = run_command(["runuser", "-u", SERVICE_USER, "--", "sh", "-c", script], inventory, head)[head]
+    res = run_command(["runuser", "-u", user, "--", "sh", "-c", script], inventory, head)[head]
     if not res.success:
         raise ShardstackError(f"export on {head} failed: {(res.stderr or res.stdout or res.message or '')[-800:]}")
     return ClusterExport(head, out, f"{models}/current", (res.stdout + res.stderr).strip())
@@ -144,8 +161,9 @@ def _role_default(role: str, name: str) -> Any:
     return yaml.safe_load((project_dir() / "roles" / role / "defaults" / "main.yml").read_text())[name]
 
 
-def lb_url(inventory: Path, port: int = LB_PORT) -> str:
+def lb_url(inventory: Path) -> str:
     inv = inventory_hosts(inventory)
+    port = setting(inv, "loadbalancer_port", "loadbalancer", "loadbalancer")
     return f"http://{address(inv, group(inv, 'loadbalancer')[0])}:{port}"
 
 

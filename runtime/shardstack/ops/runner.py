@@ -6,13 +6,14 @@ ok/changed/failed counts and, for each failed host, the task and message that fa
 
 from __future__ import annotations
 
+import contextlib
 import os
 import re
 import shutil
 import sys
 import time
 import uuid
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
@@ -99,6 +100,26 @@ def _private_dir(parent: Path, keep: int = KEEP_RUNS) -> Path:
     return path
 
 
+def existing_inventory(inventory: Path) -> Path:
+    inventory = inventory.resolve()
+    if not inventory.exists():
+        raise ShardstackError(
+            f"inventory {inventory} does not exist",
+            hint="for the local lab run `shardstack lab up` first; for a cluster copy inventory/sample")
+    return inventory
+
+
+@contextlib.contextmanager
+def tools_on_path() -> Iterator[None]:
+    """This interpreter's bin/ on PATH for the duration: ansible-runner finds ansible-inventory with shutil.which."""
+    old = os.environ.get("PATH", os.defpath)
+    os.environ["PATH"] = _tool_env()["PATH"]
+    try:
+        yield
+    finally:
+        os.environ["PATH"] = old
+
+
 def _tool_env() -> dict[str, str]:
     """ansible-playbook/ansible from this interpreter's environment, even when its bin/ is not on PATH."""
     here = str(Path(sys.executable).parent)
@@ -123,11 +144,7 @@ def run_playbook(
     book = root / playbook
     if not book.is_file():
         raise ShardstackError(f"no playbook {playbook!r} in {root}")
-    inventory = inventory.resolve()
-    if not inventory.exists():
-        raise ShardstackError(
-            f"inventory {inventory} does not exist",
-            hint="for the local lab run `shardstack lab up` first; for a cluster copy inventory/sample")
+    inventory = existing_inventory(inventory)
     artifacts = _private_dir(artifacts or root / "artifacts" / "runs")
     cmdline = " ".join(x for x in ("--check --diff" if check else "", f"--skip-tags {skip_tags}" if skip_tags else "")
                        if x)
@@ -207,10 +224,7 @@ def run_command(
     import ansible_runner
 
     root = project_dir()
-    inventory = inventory.resolve()
-    if not inventory.exists():
-        raise ShardstackError(f"inventory {inventory} does not exist",
-                              hint="for the local lab run `shardstack lab up` first")
+    inventory = existing_inventory(inventory)
     artifacts = _private_dir(artifacts or root / "artifacts" / "adhoc")
     results: dict[str, CommandResult] = {}
 

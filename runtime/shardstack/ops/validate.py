@@ -1,5 +1,6 @@
 """`shardstack validate`: the post-deploy checks (playbooks/validate.yml) and what their published measurements
-say failed."""
+say failed. GPU nodes are judged on the facts each published (shardstack.accel) by the same decisions the runtime
+makes before it starts, so validate fails exactly the nodes where training or serving would refuse to run."""
 
 from __future__ import annotations
 
@@ -7,15 +8,44 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from shardstack.accel import NodeFacts, gpu_problems
 from shardstack.ops.runner import RunnerEvent, RunResult, run_playbook
+
+
+def node_facts(report: dict[str, Any]) -> NodeFacts | None:
+    """The facts one node published in validate_gpu; None when its probe produced none."""
+    facts = (report.get("accel") or {}).get("facts")
+    return NodeFacts.from_dict(facts) if facts else None
+
+
+def gpu_findings(gpu: dict[str, Any], allreduce: dict[str, Any] | None) -> list[str]:
+    """Per node, each check (driver, torch build, cuda, dcgm) that fails; and the backend of the all-reduce."""
+    bad = []
+    nvidia_train_nodes = []
+    for host, report in sorted(gpu.items()):
+        facts = node_facts(report)
+        if facts is None:
+            why = report.get("accel_error") or "no output"
+            bad.append(f"{host}: node facts: `python -m shardstack.accel` gave no result: {why}")
+            continue
+        bad += [f"{host}: {p}" for p in gpu_problems(facts)]
+        if facts.has_nvidia and report.get("train_node"):
+            nvidia_train_nodes.append(host)
+    if allreduce and allreduce.get("backend") != "nccl" and nvidia_train_nodes:
+        bad.append(f"backend: the all-reduce ran on {allreduce.get('backend')}, not NCCL, although train node(s) "
+                   f"{', '.join(nvidia_train_nodes)} have NVIDIA GPUs")
+    return bad
 
 
 def validate_findings(data: dict[str, Any]) -> list[str]:
     """What failed in validate.yml's published measurements (empty = everything passed)."""
-    bad = []
+    bad = gpu_findings(data.get("validate_gpu") or {}, data.get("validate_allreduce"))
+    if not data.get("validate_gpu"):
+        bad.append("gpu: no result")
     ar = data.get("validate_allreduce")
     if not ar:
-        bad.append("all-reduce: no result")
+        errors = data.get("validate_allreduce_errors") or {}
+        bad.append("all-reduce: no result" + "".join(f"; {h}: {e}" for h, e in sorted(errors.items())))
     elif not ar.get("correct"):
         bad.append("all-reduce: wrong sum")
     for host, st in (data.get("validate_storage") or {}).items():

@@ -1,20 +1,25 @@
-"""Build the wheelhouse the nodes install shardstack from, offline (the air-gap path: docs/operations.md).
+"""Build the wheelhouses the nodes install shardstack from, offline and hash-locked (docs/operations.md).
 
-The controller builds it once per source state into a cache outside the clone:
+One wheelhouse per accelerator class (shardstack.accel: cpu, cu126, cu129, cu130), because torch's build and its
+nvidia-* libraries differ per class. The controller resolves and downloads each from the package index for the
+nodes' platform (CPython 3.11, manylinux_2_28 x86_64) whatever its own is, and writes a lock with the sha256 of
+every file; nodes install with `pip install --no-index --require-hashes -r requirements.lock`. Cache, per class:
 
-    <cache>/wheelhouse/deps-<hash of pyproject.toml>/   every dependency of shardstack[train,serve] (torch included)
-    <cache>/wheelhouse/<hash of pyproject + runtime/>/   hard links to those + the shardstack wheel + manifest.json,
-                                                         and wheelhouse.tar with all of it (what the nodes get)
+    <cache>/wheelhouse/<class>/deps-<hash of pyproject.toml + class>/  the dependencies and deps.lock
+    <cache>/wheelhouse/<class>/<hash of pyproject + runtime/>/          hard links to those + the shardstack wheel,
+        requirements.lock (everything), shardstack.lock (the own wheel), manifest.json and wheelhouse.tar
 
-Dependencies only change with pyproject.toml, so a code change costs one small `pip wheel --no-deps`. The
-shardstack wheel is rebuilt only when the source hash changes, so the bytes (and the nodes' install stamps) stay
-the same between deploys and a re-run of site.yml changes nothing.
+Dependencies only change with pyproject.toml (or the class table), so a code change costs one small
+`pip wheel --no-deps`. The shardstack wheel is rebuilt only when the source hash changes, so the bytes (and the
+nodes' install stamps) stay the same between deploys and a re-run of site.yml changes nothing.
 """
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import json
+import logging
 import os
 import shutil
 import subprocess
@@ -22,24 +27,38 @@ import sys
 import tarfile
 import tempfile
 import time
+import tomllib
+import urllib.request
+from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from pathlib import Path
+from typing import Any
+from urllib.parse import unquote
 
+from shardstack.accel import BY_NAME, PYTORCH_INDEX, AcceleratorClass
 from shardstack.errors import ShardstackError
 
-EXTRAS = "train,serve"
+EXTRAS = ("train", "serve")
 ARCHIVE = "wheelhouse.tar"
-# The nodes run Debian 12's CPython; wheels built here must fit it (tags are checked below).
+LOCK = "requirements.lock"
+OWN_LOCK = "shardstack.lock"
+# What the nodes run: Debian 12's CPython 3.11 on x86_64 (glibc 2.36 ≥ manylinux_2_28, torch's floor). pip does not
+# widen a --platform manylinux_2_28 to the older tags that glibc also runs, so they are listed.
 TARGET_PYTHON = (3, 11)
+TARGET_PLATFORMS = [f"manylinux_2_{m}_x86_64" for m in range(28, 4, -1)] + [
+    "manylinux2014_x86_64", "manylinux2010_x86_64", "manylinux1_x86_64"]
+# The PyTorch index (or a mirror of it) the torch builds come from; "none": pip's own configuration has them.
+TORCH_INDEX_ENV = "SHARDSTACK_TORCH_INDEX"
 _SKIP_DIRS = {"__pycache__", ".pytest_cache"}
+log = logging.getLogger("shardstack.wheelhouse")
 
 
 def cache_root() -> Path:
     return Path(os.environ.get("SHARDSTACK_CACHE", "/var/cache/shardstack")) / "wheelhouse"
 
 
-def _digest(paths: list[Path], root: Path) -> str:
-    h = hashlib.sha256()
+def _digest(paths: list[Path], root: Path, extra: str = "") -> str:
+    h = hashlib.sha256(extra.encode())
     for p in sorted(paths):
         h.update(str(p.relative_to(root)).encode() + b"\0")
         h.update(p.read_bytes() + b"\0")
@@ -54,8 +73,8 @@ def source_files(project: Path) -> list[Path]:
     return files
 
 
-def deps_key(project: Path) -> str:
-    return _digest([project / "pyproject.toml"], project)
+def deps_key(project: Path, accel: AcceleratorClass | None = None) -> str:
+    return _digest([project / "pyproject.toml"], project, repr(accel) if accel else "")
 
 
 def source_key(project: Path) -> str:
@@ -70,31 +89,136 @@ def _sha256(path: Path) -> str:
     return h.hexdigest()
 
 
+def accelerator(name: str) -> AcceleratorClass:
+    if name not in BY_NAME:
+        raise ShardstackError(f"unknown accelerator class {name!r}", hint=f"one of {', '.join(BY_NAME)} or auto")
+    return BY_NAME[name]
+
+
+# --- resolution ---------------------------------------------------------------------------------------------------
+
+
+def requirements(project: Path, accel: AcceleratorClass) -> list[str]:
+    """shardstack[train,serve]'s dependencies from pyproject.toml, with torch pinned to the class's exact build.
+
+    `===` (PEP 440 arbitrary equality) because `torch==2.13.0` also matches 2.13.0+cpu, which a find-links
+    directory or a mixed index would then win with (a local label sorts higher).
+    """
+    meta = tomllib.loads((project / "pyproject.toml").read_text())["project"]
+    reqs = list(meta.get("dependencies", []))
+    for extra in EXTRAS:
+        reqs += meta.get("optional-dependencies", {}).get(extra, [])
+    return [*sorted(set(reqs)), f"torch==={accel.torch_version}"]
+
+
+@functools.cache
+def _reachable(url: str) -> bool:
+    try:
+        with urllib.request.urlopen(urllib.request.Request(url, method="HEAD"), timeout=10):
+            return True
+    except (OSError, ValueError):
+        return False
+
+
+def _index_args(accel: AcceleratorClass) -> list[str]:
+    """The class's PyTorch index as an extra index. One that does not answer is left out with a warning rather than
+    given to pip, which retries it for every package (minutes); pip's own configuration (pip.conf, find-links, a
+    mirror) must then provide the build, and resolve() says so if it does not."""
+    base = os.environ.get(TORCH_INDEX_ENV, PYTORCH_INDEX).rstrip("/")
+    if accel.index is None or base == "none":
+        return []
+    url = f"{base}/{accel.index}"
+    if not _reachable(f"{url}/torch/"):
+        log.warning("the PyTorch index %s does not answer; resolving torch %s from pip's configuration only (set "
+                    "%s to a mirror, or to none to skip this check)", url, accel.torch_version, TORCH_INDEX_ENV)
+        return []
+    return ["--extra-index-url", url]
+
+
+def _target_args() -> list[str]:
+    platforms = [arg for p in TARGET_PLATFORMS for arg in ("--platform", p)]
+    return ["--only-binary=:all:", *platforms, "--implementation", "cp",
+            "--python-version", "{}.{}".format(*TARGET_PYTHON), "--abi", "cp{}{}".format(*TARGET_PYTHON)]
+
+
+def resolve_argv(reqs_file: Path, report: Path, target: Path, accel: AcceleratorClass) -> list[str]:
+    """pip's arguments for resolving a class for the nodes' platform without installing or downloading wheels:
+    --dry-run with a report, and fast-deps so wheel metadata comes by HTTP range requests where the index does not
+    serve it apart (PEP 658) — torch's 0.5 GB wheel is never fetched to learn its dependencies."""
+    return ["install", "--dry-run", "--ignore-installed", "--quiet", "--report", str(report), "--target", str(target),
+            "--use-feature=fast-deps", *_target_args(), *_index_args(accel), "-r", str(reqs_file)]
+
+
+@dataclass(frozen=True)
+class Pin:
+    name: str
+    version: str
+    url: str
+    sha256: str | None  # as the index published it; None where it gives none (a find-links directory)
+
+    @property
+    def filename(self) -> str:
+        return unquote(self.url.rsplit("/", 1)[-1].split("#")[0])
+
+
+def _pip(args: list[str], what: str) -> subprocess.CompletedProcess[str]:
+    cmd = [sys.executable, "-m", "pip", "--disable-pip-version-check", *args]
+    proc = subprocess.run(cmd, capture_output=True, text=True)
+    if proc.returncode != 0:
+        tail = "\n".join((proc.stderr or proc.stdout).strip().splitlines()[-8:])
+        raise ShardstackError(f"`pip {args[0]}` failed {what}:\n{tail}",
+                              hint="the controller needs an index (or a mirror: pip.conf, "
+                                   f"{TORCH_INDEX_ENV}) with every dependency for the nodes' platform")
+    return proc
+
+
+def resolve(project: Path, accel: AcceleratorClass) -> list[Pin]:
+    """The exact files a class's wheelhouse holds, as pip resolves them for the nodes (no wheel is downloaded)."""
+    with tempfile.TemporaryDirectory() as tmp:
+        reqs, report = Path(tmp) / "requirements.in", Path(tmp) / "report.json"
+        reqs.write_text("\n".join(requirements(project, accel)) + "\n")
+        _pip(resolve_argv(reqs, report, Path(tmp) / "target", accel), f"resolving the {accel.name} wheelhouse")
+        data = json.loads(report.read_text())
+    pins = []
+    for item in data["install"]:
+        info = item["download_info"]
+        hashes = (info.get("archive_info") or {}).get("hashes") or {}
+        pins.append(Pin(item["metadata"]["name"], item["metadata"]["version"], info["url"], hashes.get("sha256")))
+    torch = next((p for p in pins if p.name.lower() == "torch"), None)
+    if torch is None or torch.version != accel.torch_version:
+        raise ShardstackError(f"the {accel.name} wheelhouse resolved torch {torch.version if torch else 'nothing'}, "
+                              f"not {accel.torch_version}",
+                              hint=f"the build is on {f'{PYTORCH_INDEX}/{accel.index}' if accel.index else 'PyPI'} "
+                                   f"(a mirror: {TORCH_INDEX_ENV}, pip.conf)")
+    return sorted(pins, key=lambda p: p.name.lower())
+
+
+def lock_line(name: str, version: str, sha256: str) -> str:
+    return f"{name}==={version} --hash=sha256:{sha256}"
+
+
+# --- building -----------------------------------------------------------------------------------------------------
+
+
 @dataclass
 class Wheelhouse:
     path: Path
-    key: str
+    key: str  # "<class>-<source key>": what a node's install stamp holds
+    accelerator: str
+    torch: str
     shardstack_wheel: str  # file name inside path
     shardstack_sha256: str
     requirement: str  # what the nodes install, e.g. "shardstack[train,serve]==0.1.0"
+    lock: str  # file name of the full hash lock inside path
     files: int
     bytes: int
     built: bool  # False when the cache already held it
     seconds: float
 
-    def to_dict(self) -> dict:
+    def to_dict(self) -> dict[str, Any]:
         d = asdict(self)
         d["path"] = str(self.path)
         return d
-
-
-def _pip(*args: str, cwd: Path | None = None) -> None:
-    cmd = [sys.executable, "-m", "pip", "--disable-pip-version-check", *args]
-    proc = subprocess.run(cmd, cwd=cwd, capture_output=True, text=True)
-    if proc.returncode != 0:
-        tail = "\n".join((proc.stderr or proc.stdout).strip().splitlines()[-8:])
-        raise ShardstackError(f"`pip {' '.join(args[:2])} …` failed building the wheelhouse:\n{tail}",
-                              hint="the controller needs the wheels (or an index) for every dependency")
 
 
 def _copy_source(project: Path, dest: Path) -> None:
@@ -117,10 +241,10 @@ def _check_tags(wheel_dir: Path) -> None:
     if bad:
         raise ShardstackError(f"wheels that do not fit the nodes (CPython {'.'.join(map(str, TARGET_PYTHON))}, "
                               f"x86_64): {', '.join(sorted(bad))}",
-                              hint="build the wheelhouse with a CPython of the nodes' version")
+                              hint="the index served wheels for another platform; check its configuration")
 
 
-def _atomic_dir(final: Path, fill) -> None:
+def _atomic_dir(final: Path, fill: Callable[[Path], None]) -> None:
     """Fill a temporary sibling, then rename: a half-built wheelhouse is never seen under its final name."""
     final.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{final.name}.", dir=final.parent))
@@ -136,45 +260,67 @@ def _atomic_dir(final: Path, fill) -> None:
         shutil.rmtree(tmp, ignore_errors=True)
 
 
-def build(project: Path, cache: Path | None = None, *, log=print) -> Wheelhouse:
-    """Return the wheelhouse for the project's current source, building what the cache lacks."""
-    if sys.version_info[:2] != TARGET_PYTHON:
-        raise ShardstackError(
-            f"the wheelhouse must be built with CPython {'.'.join(map(str, TARGET_PYTHON))} (the nodes' Python); "
-            f"this is {sys.version.split()[0]}", hint="run the shardstack CLI from a python3.11 virtualenv")
+def _fetch_deps(project: Path, accel: AcceleratorClass, dest: Path, log: Callable[[str], None]) -> None:
+    """Resolve, download exactly those files, check them against the index's hashes and write deps.lock."""
+    pins = resolve(project, accel)
+    log(f"wheelhouse: {accel.name}: {len(pins)} files, torch {accel.torch_version}")
+    with tempfile.TemporaryDirectory() as tmp:
+        exact = Path(tmp) / "pins.txt"
+        exact.write_text("".join(f"{p.name}==={p.version}\n" for p in pins))
+        _pip(["download", "--quiet", "--no-deps", "--dest", str(dest), *_target_args(), *_index_args(accel),
+              "-r", str(exact)], f"downloading the {accel.name} wheelhouse")
+    lines = []
+    for p in pins:
+        path = dest / p.filename
+        if not path.is_file():
+            raise ShardstackError(f"pip downloaded no {p.filename} for {p.name} {p.version}")
+        digest = _sha256(path)
+        if p.sha256 and digest != p.sha256:
+            raise ShardstackError(f"{p.filename}: sha256 {digest} differs from the index's {p.sha256}",
+                                  hint="a corrupt download or a tampered mirror; remove it and build again")
+        lines.append(lock_line(p.name, p.version, digest))
+    _check_tags(dest)
+    (dest / "deps.lock").write_text("\n".join(lines) + "\n")
+
+
+def build(project: Path, cache: Path | None = None, *, accel: AcceleratorClass | None = None,
+          log: Callable[[str], None] = print) -> Wheelhouse:
+    """Return the class's wheelhouse for the project's current source, building what the cache lacks."""
+    accel = accel or BY_NAME["cpu"]
     started = time.monotonic()
-    cache = cache or cache_root()
-    key = source_key(project)
-    final = cache / key
+    root = (cache or cache_root()) / accel.name
+    skey = source_key(project)
+    final = root / skey
     built = False
     if not (final / "manifest.json").is_file():
         built = True
-        deps = cache / f"deps-{deps_key(project)}"
-        if not deps.is_dir():
-            log(f"wheelhouse: fetching dependencies of shardstack[{EXTRAS}] into {deps} (once per pyproject.toml)")
-
-            def fill_deps(tmp: Path) -> None:
-                with tempfile.TemporaryDirectory() as src:
-                    _copy_source(project, Path(src))
-                    _pip("wheel", "--quiet", "--wheel-dir", str(tmp), f"{src}[{EXTRAS}]")
-                for whl in tmp.glob("shardstack-*.whl"):
-                    whl.unlink()
-                _check_tags(tmp)
-
-            _atomic_dir(deps, fill_deps)
+        deps = root / f"deps-{deps_key(project, accel)}"
+        if not (deps / "deps.lock").is_file():
+            log(f"wheelhouse: fetching the {accel.name} dependencies of shardstack[{','.join(EXTRAS)}] into {deps} "
+                f"(once per pyproject.toml)")
+            _atomic_dir(deps, lambda tmp: _fetch_deps(project, accel, tmp, log))
         log(f"wheelhouse: building the shardstack wheel into {final}")
 
         def fill(tmp: Path) -> None:
             with tempfile.TemporaryDirectory() as src:
                 _copy_source(project, Path(src))
-                _pip("wheel", "--quiet", "--no-deps", "--no-build-isolation", "--wheel-dir", str(tmp), src)
+                _pip(["wheel", "--quiet", "--no-deps", "--no-build-isolation", "--wheel-dir", str(tmp), src],
+                     "building the shardstack wheel")
             for whl in deps.glob("*.whl"):
                 os.link(whl, tmp / whl.name)
             own = next(tmp.glob("shardstack-*.whl"))
             version = own.name.split("-")[1]
+            own_sha = _sha256(own)
+            own_line = lock_line(f"shardstack[{','.join(EXTRAS)}]", version, own_sha)
+            (tmp / OWN_LOCK).write_text(own_line + "\n")
+            (tmp / LOCK).write_text(f"# shardstack wheelhouse {accel.name}-{skey}: pip install --no-index "
+                                    f"--find-links . --require-hashes -r {LOCK}\n{own_line}\n"
+                                    + (deps / "deps.lock").read_text())
             files = {p.name: _sha256(p) for p in sorted(tmp.glob("*.whl"))}
-            manifest = {"key": key, "requirement": f"shardstack[{EXTRAS}]=={version}", "shardstack_wheel": own.name,
-                        "shardstack_sha256": files[own.name], "deps_key": deps.name, "files": files}
+            manifest = {"key": f"{accel.name}-{skey}", "accelerator": accel.name, "torch": accel.torch_version,
+                        "requirement": f"shardstack[{','.join(EXTRAS)}]=={version}", "shardstack_wheel": own.name,
+                        "shardstack_sha256": own_sha, "lock": LOCK, "own_lock": OWN_LOCK, "deps_key": deps.name,
+                        "files": files}
             (tmp / "manifest.json").write_text(json.dumps(manifest, indent=2) + "\n")
             # One archive for the nodes: a single transfer and checksum instead of one per wheel.
             with tarfile.open(tmp / ARCHIVE, "w") as tar:
@@ -185,17 +331,8 @@ def build(project: Path, cache: Path | None = None, *, log=print) -> Wheelhouse:
         _atomic_dir(final, fill)
     manifest = json.loads((final / "manifest.json").read_text())
     wheels = list(final.glob("*.whl"))
-    return Wheelhouse(path=final, key=key, shardstack_wheel=manifest["shardstack_wheel"],
-                      shardstack_sha256=manifest["shardstack_sha256"], requirement=manifest["requirement"],
-                      files=len(wheels), bytes=sum(w.stat().st_size for w in wheels), built=built,
-                      seconds=time.monotonic() - started)
+    return Wheelhouse(path=final, key=manifest["key"], accelerator=manifest["accelerator"], torch=manifest["torch"],
+                      shardstack_wheel=manifest["shardstack_wheel"], shardstack_sha256=manifest["shardstack_sha256"],
+                      requirement=manifest["requirement"], lock=manifest["lock"], files=len(wheels),
+                      bytes=sum(w.stat().st_size for w in wheels), built=built, seconds=time.monotonic() - started)
 
-
-def prune(cache: Path | None = None, keep: int = 3) -> list[Path]:
-    """Drop all but the newest `keep` source wheelhouses (deps dirs are shared and stay)."""
-    cache = cache or cache_root()
-    houses = sorted((p for p in cache.glob("*") if p.is_dir() and not p.name.startswith(("deps-", "."))),
-                    key=lambda p: p.stat().st_mtime, reverse=True)
-    for old in houses[keep:]:
-        shutil.rmtree(old, ignore_errors=True)
-    return houses[keep:]

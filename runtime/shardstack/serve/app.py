@@ -1,5 +1,5 @@
-"""The Starlette application: routes, error bodies, the metrics middleware and the lifespan that starts loading
-and feeds the watchdog."""
+"""The Starlette application: routes, error bodies (every one in `protocol.ErrorBody`'s shape), the metrics middleware
+and the lifespan that starts loading and feeds the watchdog."""
 
 from __future__ import annotations
 
@@ -13,33 +13,44 @@ from starlette.applications import Starlette
 from starlette.exceptions import HTTPException
 from starlette.middleware import Middleware
 from starlette.requests import Request
-from starlette.responses import JSONResponse, Response
+from starlette.responses import Response
 from starlette.routing import Route
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from shardstack.serve import routes
 from shardstack.serve.lifecycle import Service, feed_watchdog
 from shardstack.serve.metrics import ServeMetrics
-from shardstack.serve.protocol import ApiError
+from shardstack.serve.protocol import ApiError, clip
 
 log = logging.getLogger(__name__)
 
 
+def _error_response(err: ApiError) -> Response:
+    return Response(err.json(), status_code=err.status, headers=err.headers, media_type="application/json")
+
+
 async def _api_error(request: Request, exc: Exception) -> Response:
     assert isinstance(exc, ApiError)
-    return JSONResponse(exc.body(), status_code=exc.status, headers=exc.headers)
+    return _error_response(exc)
 
 
 async def _http_error(request: Request, exc: Exception) -> Response:
+    """The router's 404 (no such path) and 405 (wrong method) in the same shape as every other error."""
     assert isinstance(exc, HTTPException)
-    kind = {404: "not_found", 405: "method_not_allowed"}.get(exc.status_code, "invalid_request_error")
-    return JSONResponse({"error": str(exc.detail), "error_type": kind}, status_code=exc.status_code,
-                        headers=exc.headers)
+    code = {404: "not_found", 405: "method_not_allowed"}.get(exc.status_code)
+    headers = dict(exc.headers or {})
+    if exc.status_code == 404:
+        message = f"no route {clip(request.method, 16)} {clip(request.url.path)}"
+    elif exc.status_code == 405:
+        message = f"method {clip(request.method, 16)} is not allowed here (allowed: {headers.get('Allow', '')})"
+    else:
+        message = str(exc.detail)
+    return _error_response(ApiError(exc.status_code, message, code=code, headers=headers))
 
 
 async def _server_error(request: Request, exc: Exception) -> Response:
     log.error("unhandled error on %s %s", request.method, request.url.path, exc_info=exc)
-    return JSONResponse({"error": "internal server error", "error_type": "server_error"}, status_code=500)
+    return _error_response(ApiError(500, "internal server error", code="internal_error"))
 
 
 class ApiMetricsMiddleware:

@@ -169,18 +169,18 @@ class Service:
             return
         scheme, _, given = request.headers.get("authorization", "").partition(" ")
         if scheme.lower() != "bearer" or not hmac.compare_digest(given.strip().encode(), token.encode()):
-            raise ApiError(401, "missing or invalid bearer token", "authentication_error",
+            raise ApiError(401, "missing or invalid bearer token", code="invalid_api_key",
                            headers={"WWW-Authenticate": "Bearer"})
 
     def admitting_engine(self) -> Scheduler:
         if self.phase == "draining":
-            raise ApiError(503, "server is draining; retry on another replica", "unavailable",
+            raise ApiError(503, "server is draining; retry on another replica", code="unavailable",
                            headers={"Retry-After": "1"})
         if self.phase != "ready" or self.engine is None:
-            raise ApiError(503, f"server is {self.phase}", "unavailable", headers={"Retry-After": "5"})
+            raise ApiError(503, f"server is {self.phase}", code="unavailable", headers={"Retry-After": "5"})
         age = self.stalled()
         if age is not None:
-            raise ApiError(503, f"engine loop has made no progress for {age:.0f}s", "unavailable")
+            raise ApiError(503, f"engine loop has made no progress for {age:.0f}s", code="unavailable")
         return self.engine
 
 

@@ -1,56 +1,186 @@
-"""The OpenAI-compatible request schema for `POST /v1/completions`, validated by hand into typed values.
+"""The OpenAI-compatible request schema for `POST /v1/completions` (pydantic v2) and the one error shape.
 
-Every rejection is an `ApiError` carrying the HTTP status, a stable `error_type` and the offending field, and
-becomes the JSON body `{"error": message, "error_type": type, "field": field}`. Anything a client can send
-maps to a 4xx here; 5xx is reserved for faults of the service itself.
+`parse_completion` turns the raw body into a typed `CompletionRequest` or raises `ApiError`. The body is decoded
+with the standard library (strict UTF-8) and validated in strict mode: no coercion of `"5"` to 5 or `true` to 1,
+unknown fields are errors (a typo like `max_token` does not pass silently), text must be valid Unicode (a lone
+UTF-16 surrogate escape is refused by name), and sampling values must be ones float32 can honour. Anything a
+client can send maps to a 4xx; 5xx is reserved for faults of the service itself.
+
+Every error the service returns has OpenAI's shape, `ErrorBody`:
+`{"error": {"message": ..., "type": ..., "param": ..., "code": ...}}`. Client strings quoted in a message
+(field names included) are cut to `QUOTE_CHARS`, so an error never echoes unbounded input.
 """
 
 from __future__ import annotations
 
-import math
+import json
 from dataclasses import dataclass
-from typing import Any
+from typing import Annotated, Any
 
-from shardstack.serve.sampling import SamplingParams
+from pydantic import AfterValidator, BaseModel, BeforeValidator, ConfigDict, Field, ValidationError
+from pydantic_core import PydanticCustomError
+
+from shardstack.serve.sampling import FLOAT32_TINY, SamplingParams
 
 MAX_STOP_SEQUENCES = 4
 MAX_STOP_BYTES = 64
+QUOTE_CHARS = 64  # a client string quoted in an error message is cut to this many characters
+MAX_MESSAGE_CHARS = 512  # and no error message is longer than this
 _SEED_RANGE = (-(2**63), 2**64 - 1)  # what torch.Generator.manual_seed accepts
 
-# Accepted OpenAI fields that this engine cannot honour: allowed only at their neutral value.
-_NEUTRAL: dict[str, Any] = {
-    "n": 1,
-    "best_of": 1,
-    "echo": False,
-    "logprobs": None,
-    "suffix": None,
-    "presence_penalty": 0,
-    "frequency_penalty": 0,
-    "logit_bias": None,
-}
-_KNOWN = {"model", "prompt", "max_tokens", "temperature", "top_p", "stop", "seed", "stream", "stream_options",
-          "user", *_NEUTRAL}
+
+# ---- the error shape ------------------------------------------------------------------------------------------
+class ErrorInfo(BaseModel):
+    model_config = ConfigDict(extra="forbid", strict=True)
+
+    message: str
+    type: str  # invalid_request_error | authentication_error | rate_limit_error | server_error
+    param: str | None  # the request field to blame, if one is
+    code: str | None  # a stable machine-readable reason, e.g. model_not_found, context_length_exceeded
+
+
+class ErrorBody(BaseModel):
+    model_config = ConfigDict(extra="forbid", strict=True)
+
+    error: ErrorInfo
+
+
+def error_type(status: int) -> str:
+    """OpenAI's error `type` for an HTTP status."""
+    if status >= 500:
+        return "server_error"
+    return {401: "authentication_error", 429: "rate_limit_error"}.get(status, "invalid_request_error")
+
+
+def clip(text: str, limit: int = QUOTE_CHARS) -> str:
+    """A client string made fit to quote: at most `limit` characters, lone surrogates escaped (always encodable)."""
+    cut = len(text) > limit
+    text = text[:limit].encode("utf-8", "backslashreplace").decode("utf-8")
+    return text[: limit - 1] + "…" if cut or len(text) > limit else text
 
 
 class ApiError(Exception):
-    def __init__(self, status: int, message: str, error_type: str, *, field: str | None = None,
+    """Any answer but success: the HTTP status, OpenAI's error object and extra headers (Retry-After, …)."""
+
+    def __init__(self, status: int, message: str, *, code: str | None = None, param: str | None = None,
                  headers: dict[str, str] | None = None) -> None:
         super().__init__(message)
         self.status = status
-        self.message = message
-        self.error_type = error_type
-        self.field = field
+        self.message = clip(message, MAX_MESSAGE_CHARS)
+        self.code = code
+        self.param = None if param is None else clip(param)
         self.headers = headers or {}
 
     def body(self) -> dict[str, Any]:
-        out: dict[str, Any] = {"error": self.message, "error_type": self.error_type}
-        if self.field:
-            out["field"] = self.field
-        return out
+        info = ErrorInfo(message=self.message, type=error_type(self.status), param=self.param, code=self.code)
+        return ErrorBody(error=info).model_dump()
+
+    def json(self) -> bytes:
+        """The body as sent, compact; HAProxy's own 429/503 bodies are this for their status and message."""
+        return json.dumps(self.body(), ensure_ascii=False, separators=(",", ":")).encode()
 
 
-def invalid(field: str, message: str) -> ApiError:
-    return ApiError(422, f"{field}: {message}", "invalid_request_error", field=field)
+def invalid(param: str | None, message: str, *, code: str | None = None) -> ApiError:
+    """400 for an invalid request; the message starts with the field to blame."""
+    return ApiError(400, f"{clip(param)}: {message}" if param else message, code=code, param=param)
+
+
+# ---- the request schema -------------------------------------------------------------------------------------
+def _unicode(text: str) -> str:
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as exc:  # json.loads turns "\ud800" into a lone surrogate, which is not Unicode
+        raise PydanticCustomError("unicode", "is not valid Unicode (it contains a lone UTF-16 surrogate at character "
+                                  "{index})", {"index": exc.start}) from None
+    return text
+
+
+def _float32(value: float) -> float:
+    if 0 < value < FLOAT32_TINY:
+        raise PydanticCustomError("float32", "positive values below {tiny} are not normal float32 numbers, and "
+                                  "sampling runs in float32", {"tiny": f"{FLOAT32_TINY:.4g}"})
+    return value
+
+
+def _prompt(v: Any) -> list[int]:
+    """A string, a one-element list of strings (OpenAI's batch form) or token ids, as byte-level token ids."""
+    if isinstance(v, list) and len(v) == 1 and isinstance(v[0], str):
+        v = v[0]
+    if isinstance(v, str):
+        tokens = list(_unicode(v).encode("utf-8"))
+    elif isinstance(v, list) and v and all(isinstance(t, int) and not isinstance(t, bool) for t in v):
+        if not all(0 <= t < 256 for t in v):
+            raise PydanticCustomError("token_id", "token ids must be in [0, 255] (byte-level tokenizer)")
+        tokens = v
+    elif isinstance(v, list) and len(v) > 1 and all(isinstance(t, str) for t in v):
+        raise PydanticCustomError("one_prompt", "only one prompt per request is supported")
+    else:
+        raise PydanticCustomError("prompt_type", "must be a string or a list of token ids")
+    if not tokens:
+        raise PydanticCustomError("empty", "must not be empty")
+    return tokens
+
+
+def _stop_list(v: Any) -> Any:
+    if isinstance(v, str):
+        return [v]
+    if not isinstance(v, list):
+        raise PydanticCustomError("stop_type", "must be a string or a list of strings")
+    return v
+
+
+def _stop_bytes(text: str) -> str:
+    if not 1 <= len(text.encode("utf-8")) <= MAX_STOP_BYTES:
+        raise PydanticCustomError("stop_length", "each sequence must be 1 to {limit} bytes", {"limit": MAX_STOP_BYTES})
+    return text
+
+
+def _only(neutral: Any) -> BeforeValidator:
+    """An OpenAI field this engine cannot honour: accepted only at its neutral value (or null)."""
+
+    def check(v: Any) -> Any:
+        if v is not None and v != neutral:
+            raise PydanticCustomError("unsupported", "not supported by this server (only {neutral})",
+                                      {"neutral": json.dumps(neutral)})
+        return v
+
+    return BeforeValidator(check)
+
+
+Text = Annotated[str, AfterValidator(_unicode)]
+Sampling = Annotated[float, Field(allow_inf_nan=False), AfterValidator(_float32)]
+
+
+class StreamOptions(BaseModel):
+    model_config = ConfigDict(extra="forbid", strict=True)
+
+    include_usage: bool = False
+
+
+class CompletionBody(BaseModel):
+    """The accepted body, field by field; limits that depend on the served model are checked in parse_completion."""
+
+    model_config = ConfigDict(extra="forbid", strict=True)
+
+    model: Text | None = None
+    prompt: Annotated[list[int], BeforeValidator(_prompt)]
+    max_tokens: Annotated[int, Field(ge=1)] | None = None
+    temperature: Annotated[Sampling, Field(ge=0, le=2)] | None = None  # 0 = greedy
+    top_p: Annotated[Sampling, Field(gt=0, le=1)] | None = None
+    stop: Annotated[list[Annotated[Text, AfterValidator(_stop_bytes)]], Field(max_length=MAX_STOP_SEQUENCES),
+                    BeforeValidator(_stop_list)] | None = None
+    seed: Annotated[int, Field(ge=_SEED_RANGE[0], le=_SEED_RANGE[1])] | None = None
+    stream: bool | None = None
+    stream_options: StreamOptions | None = None
+    user: Text | None = None
+    n: Annotated[Any, _only(1)] = None
+    best_of: Annotated[Any, _only(1)] = None
+    echo: Annotated[Any, _only(False)] = None
+    logprobs: Annotated[Any, _only(None)] = None
+    suffix: Annotated[Any, _only(None)] = None
+    presence_penalty: Annotated[Any, _only(0)] = None
+    frequency_penalty: Annotated[Any, _only(0)] = None
+    logit_bias: Annotated[Any, _only(None)] = None
 
 
 @dataclass(frozen=True)
@@ -71,117 +201,66 @@ class CompletionRequest:
     model: str | None
 
 
-def _is_int(v: Any) -> bool:
-    return isinstance(v, int) and not isinstance(v, bool)
+def _rejection(exc: ValidationError) -> ApiError:
+    """The first validation error as a 400; `param` is the field path up to the first list index."""
+    err = exc.errors(include_url=False, include_input=False)[0]
+    path = []
+    for part in err["loc"]:
+        if not isinstance(part, str):
+            break
+        path.append(part)
+    param = ".".join(path) or None
+    if err["type"] == "extra_forbidden":
+        return invalid(param, "unknown field")
+    if err["type"] == "string_unicode":  # a field name holding a lone surrogate fails before any field validator
+        return invalid(param, "a field name is not valid Unicode (it contains a lone UTF-16 surrogate)")
+    return invalid(param, err["msg"])
 
 
-def _number(body: dict, field: str, default: float, lo: float, hi: float, *, lo_open: bool = False) -> float:
-    v = body.get(field)
-    if v is None:
-        return default
-    if isinstance(v, bool) or not isinstance(v, int | float) or not math.isfinite(v):
-        raise invalid(field, "must be a number")
-    if v < lo or v > hi or (lo_open and v == lo):
-        raise invalid(field, f"must be in {'(' if lo_open else '['}{lo}, {hi}], got {v}")
-    return float(v)
+def parse_completion(raw: bytes, limits: Limits, served_model: str) -> CompletionRequest:
+    """Validate a raw request body; raises ApiError (400, or 404 for a model not served here)."""
+    if not raw.strip():
+        raise invalid(None, "the request body is empty; expected a JSON object", code="invalid_json")
+    try:
+        data = json.loads(raw.decode("utf-8"))
+    except (ValueError, RecursionError) as exc:  # UnicodeDecodeError and JSONDecodeError are ValueErrors
+        raise invalid(None, f"the request body is not valid JSON ({clip(str(exc), 120)})",
+                      code="invalid_json") from None
+    if not isinstance(data, dict):
+        raise invalid(None, "the request body must be a JSON object", code="invalid_json")
+    try:
+        body = CompletionBody.model_validate(data)
+    except ValidationError as exc:
+        raise _rejection(exc) from None
 
-
-def _prompt(v: Any) -> list[int]:
-    if isinstance(v, list) and len(v) == 1 and isinstance(v[0], str):
-        v = v[0]  # OpenAI's batch form with a single prompt
-    if isinstance(v, str):
-        tokens = list(v.encode("utf-8"))
-    elif isinstance(v, list) and v and all(_is_int(t) for t in v):
-        if not all(0 <= t < 256 for t in v):
-            raise invalid("prompt", "token ids must be in [0, 255] (byte-level tokenizer)")
-        tokens = list(v)
-    elif isinstance(v, list) and len(v) > 1 and all(isinstance(t, str) for t in v):
-        raise invalid("prompt", "only one prompt per request is supported")
-    else:
-        raise invalid("prompt", "must be a string or a list of token ids")
-    if not tokens:
-        raise invalid("prompt", "must not be empty")
-    return tokens
-
-
-def _stop(v: Any) -> list[bytes]:
-    if v is None:
-        return []
-    items = [v] if isinstance(v, str) else v
-    if not isinstance(items, list) or not all(isinstance(s, str) for s in items):
-        raise invalid("stop", "must be a string or a list of strings")
-    if len(items) > MAX_STOP_SEQUENCES:
-        raise invalid("stop", f"at most {MAX_STOP_SEQUENCES} sequences")
-    out = [s.encode("utf-8") for s in items]
-    if any(not s or len(s) > MAX_STOP_BYTES for s in out):
-        raise invalid("stop", f"each sequence must be 1 to {MAX_STOP_BYTES} bytes")
-    return out
-
-
-def parse_completion(body: Any, limits: Limits, served_model: str) -> CompletionRequest:
-    """Validate a decoded JSON body; raises ApiError (422, or 404 for an unknown model)."""
-    if not isinstance(body, dict):
-        raise invalid("body", "must be a JSON object")
-    unknown = sorted(set(body) - _KNOWN)
-    if unknown:
-        raise invalid(unknown[0], "unknown field")
-    for field, neutral in _NEUTRAL.items():
-        if field in body and body[field] is not None and body[field] != neutral:
-            raise invalid(field, f"not supported by this server (only {neutral!r})")
-
-    model = body.get("model")
-    if model is not None:
-        if not isinstance(model, str):
-            raise invalid("model", "must be a string")
-        if model != served_model:
-            raise ApiError(404, f"model {model!r} is not served here (this server serves {served_model!r})",
-                           "model_not_found", field="model")
-    if "prompt" not in body:
-        raise invalid("prompt", "is required")
-    prompt = _prompt(body["prompt"])
-
-    max_tokens = body.get("max_tokens")
+    if body.model is not None and body.model != served_model:
+        raise ApiError(404, f"model {clip(body.model)!r} is not served here (this server serves {served_model!r})",
+                       code="model_not_found", param="model")
+    prompt = body.prompt
+    max_tokens = body.max_tokens
     if max_tokens is None:
         max_tokens = min(limits.default_max_tokens, limits.max_tokens)
-    elif not _is_int(max_tokens):
-        raise invalid("max_tokens", "must be an integer")
-    elif not 1 <= max_tokens <= limits.max_tokens:
-        raise invalid("max_tokens", f"must be in [1, {limits.max_tokens}], got {max_tokens}")
+    elif max_tokens > limits.max_tokens:
+        raise invalid("max_tokens", f"must be in [1, {limits.max_tokens}], got {clip(str(max_tokens))}")
     if len(prompt) >= limits.context:
-        raise invalid("prompt", f"{len(prompt)} tokens does not fit the model context of {limits.context}")
+        raise invalid("prompt", f"{len(prompt)} tokens does not fit the model context of {limits.context}",
+                      code="context_length_exceeded")
     if len(prompt) + max_tokens > limits.context:
         raise invalid("max_tokens", f"prompt ({len(prompt)} tokens) + max_tokens ({max_tokens}) exceeds the "
-                      f"model context of {limits.context}")
-
-    temperature = _number(body, "temperature", 1.0, 0.0, 2.0)
-    top_p = _number(body, "top_p", 1.0, 0.0, 1.0, lo_open=True)
-    seed = body.get("seed")
-    if seed is not None and (not _is_int(seed) or not _SEED_RANGE[0] <= seed <= _SEED_RANGE[1]):
-        raise invalid("seed", "must be a 64-bit integer")
-    stream = body.get("stream", False)
-    if stream is None:
-        stream = False
-    if not isinstance(stream, bool):
-        raise invalid("stream", "must be a boolean")
-    options = body.get("stream_options")
-    include_usage = False
-    if options is not None:
-        if not isinstance(options, dict) or set(options) - {"include_usage"}:
-            raise invalid("stream_options", 'must be an object with only "include_usage"')
-        include_usage = options.get("include_usage", False)
-        if not isinstance(include_usage, bool):
-            raise invalid("stream_options.include_usage", "must be a boolean")
-        if not stream:
-            raise invalid("stream_options", "is only allowed with stream: true")
-    user = body.get("user")
-    if user is not None and not isinstance(user, str):
-        raise invalid("user", "must be a string")
+                      f"model context of {limits.context}", code="context_length_exceeded")
+    stream = bool(body.stream)
+    if body.stream_options is not None and not stream:
+        raise invalid("stream_options", "is only allowed with stream: true")
     return CompletionRequest(
         prompt=prompt,
         max_tokens=max_tokens,
-        sampling=SamplingParams(temperature=temperature, top_p=top_p, seed=seed),
-        stop=_stop(body.get("stop")),
+        sampling=SamplingParams(
+            temperature=1.0 if body.temperature is None else body.temperature,
+            top_p=1.0 if body.top_p is None else body.top_p,
+            seed=body.seed,
+        ),
+        stop=[s.encode("utf-8") for s in body.stop or []],
         stream=stream,
-        include_usage=include_usage,
-        model=model,
+        include_usage=body.stream_options is not None and body.stream_options.include_usage,
+        model=body.model,
     )

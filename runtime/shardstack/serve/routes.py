@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import socket
 import time
 import uuid
 from collections.abc import AsyncIterator
@@ -16,7 +17,7 @@ from starlette.types import Receive
 
 from shardstack import __version__
 from shardstack.serve.lifecycle import Service
-from shardstack.serve.protocol import ApiError, CompletionRequest, invalid, parse_completion
+from shardstack.serve.protocol import ApiError, CompletionRequest, parse_completion
 from shardstack.serve.scheduler import Output, QueueFull, Scheduler, Sequence
 from shardstack.serve.text import decode, utf8_stream_decoder
 
@@ -48,6 +49,7 @@ async def info(request: Request) -> JSONResponse:
     s = svc.settings
     body: dict[str, Any] = {
         "model": svc.name,
+        "host": socket.gethostname(),  # which replica answered, behind a load balancer
         "model_dir": str(s.model_dir),
         "phase": svc.phase,
         "version": __version__,
@@ -83,12 +85,12 @@ async def metrics(request: Request) -> Response:
 async def _read_body(request: Request, limit: int) -> bytes:
     declared = request.headers.get("content-length")
     if declared and declared.isdigit() and int(declared) > limit:
-        raise ApiError(413, f"request body exceeds {limit} bytes", "payload_too_large")
+        raise ApiError(413, f"request body exceeds {limit} bytes", code="payload_too_large")
     body = bytearray()
     async for chunk in request.stream():
         body += chunk
         if len(body) > limit:
-            raise ApiError(413, f"request body exceeds {limit} bytes", "payload_too_large")
+            raise ApiError(413, f"request body exceeds {limit} bytes", code="payload_too_large")
     return bytes(body)
 
 
@@ -98,16 +100,10 @@ async def completions(request: Request) -> Response:
     engine = svc.admitting_engine()
     media = request.headers.get("content-type", "").split(";")[0].strip().lower()
     if media != "application/json":
-        raise ApiError(415, "Content-Type must be application/json", "unsupported_media_type")
+        raise ApiError(415, "Content-Type must be application/json", code="unsupported_media_type")
     raw = await _read_body(request, svc.settings.max_body_bytes)
-    if not raw.strip():
-        raise invalid("body", "is empty; expected a JSON object")
-    try:
-        data = json.loads(raw)
-    except (ValueError, RecursionError) as exc:  # UnicodeDecodeError and JSONDecodeError are ValueErrors
-        raise invalid("body", f"is not valid JSON ({str(exc)[:120]})") from None
     assert svc.limits is not None
-    req = parse_completion(data, svc.limits, svc.name)
+    req = parse_completion(raw, svc.limits, svc.name)
 
     events: asyncio.Queue[Output] = asyncio.Queue()
     seq = Sequence(req.prompt, req.max_tokens, req.sampling, req.stop, emit=svc.handoff.to(events),
@@ -115,7 +111,7 @@ async def completions(request: Request) -> Response:
     try:
         engine.submit(seq)
     except QueueFull:
-        raise ApiError(429, "server is at capacity; retry later", "rate_limit_exceeded",
+        raise ApiError(429, "server is at capacity; retry later", code="rate_limit_exceeded",
                        headers={"Retry-After": str(engine.retry_after())}) from None
     meta = {"id": f"cmpl-{uuid.uuid4().hex}", "object": "text_completion", "created": int(time.time()),
             "model": svc.name}
@@ -132,8 +128,8 @@ def _usage(req: CompletionRequest, completion_tokens: int) -> dict[str, int]:
 
 def _engine_failure(ev: Output) -> ApiError:
     if ev.finish_reason == "abort":  # drain ran out of time
-        return ApiError(503, f"request aborted: {ev.error}", "unavailable")
-    return ApiError(500, str(ev.error), "server_error")
+        return ApiError(503, f"request aborted: {ev.error}", code="unavailable")
+    return ApiError(500, str(ev.error), code="internal_error")
 
 
 async def _wait_disconnect(receive: Receive) -> None:
@@ -172,9 +168,8 @@ async def _sse(engine: Scheduler, seq: Sequence, events: asyncio.Queue[Output], 
     try:
         while not finished:
             ev = await events.get()
-            if ev.error:  # headers are gone already: report in-band, as OpenAI does
-                err = _engine_failure(ev)
-                yield _sse_line({"error": err.message, "error_type": err.error_type})
+            if ev.error:  # headers are gone already: report in-band, as OpenAI does, in the same error shape
+                yield _sse_line(_engine_failure(ev).body())
                 break
             finished = ev.finish_reason is not None
             text = decoder.decode(ev.data, final=finished)

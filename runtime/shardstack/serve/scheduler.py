@@ -9,6 +9,11 @@ finishes, and its slot is reused on the next iteration, so short and long reques
 The loop runs on its own thread (torch releases the GIL inside kernels) and hands results to the caller
 through a callback; the asyncio side wraps it with `loop.call_soon_threadsafe`. `heartbeat` is refreshed on
 every iteration, including idle ones, so a stale heartbeat means the loop is stuck, not merely idle.
+
+Failures are contained per request: whatever goes wrong with one sequence after the forward pass (a row that
+cannot be sampled, an exception in its stop handling or its callback) ends that sequence alone with an error,
+and the rest of the batch carries on in the same step. Only a fault of the step itself (the forward pass
+raising, device out of memory) fails the whole batch; the loop keeps serving after either.
 """
 
 from __future__ import annotations
@@ -258,12 +263,11 @@ class Scheduler:
                 with self._cond:
                     self._retire()
                     self._report_depth()
-            except Exception as exc:  # a fault of the engine (e.g. device OOM): fail this batch, keep serving
+            except Exception as exc:  # a fault of the step itself (e.g. device OOM): fail this batch, keep serving
                 log.exception("engine step failed; failing %d request(s)", len(batch))
                 for seq in batch:
                     if not seq.finished:
-                        seq.finished = True
-                        seq.emit(Output(error=f"engine error: {type(exc).__name__}", completion_tokens=seq.generated))
+                        self._fail(seq, f"engine error: {type(exc).__name__}")
 
     def _retire(self) -> None:
         """Free the slots of finished or cancelled requests. Caller holds the lock."""
@@ -297,23 +301,45 @@ class Scheduler:
         for seq, token in zip(seqs, tokens, strict=True):
             if seq.cancelled:
                 continue
-            seq.last = token
-            seq.generated += 1
-            if seq.first_token_at is None:
-                seq.first_token_at = now
-                if not seq.internal:
-                    self.metrics.first_token(now - seq.arrived)
+            if token is None:
+                log.warning("request %d: no token could be sampled (non-finite logits or unusable sampling "
+                            "parameters %s); failing it alone", seq.id, seq.params)
+                self._fail(seq, "sampling failed: the model produced non-finite logits or the sampling "
+                           "parameters leave no token")
+                continue
+            try:
+                self._advance(seq, token, now)
+            except Exception as exc:
+                log.exception("request %d failed after sampling; failing it alone", seq.id)
+                self._fail(seq, f"engine error: {type(exc).__name__}")
+
+    def _advance(self, seq: Sequence, token: int, now: float) -> None:
+        """Append one sampled token to a sequence, apply its stop sequences and hand out what is releasable."""
+        seq.last = token
+        seq.generated += 1
+        if seq.first_token_at is None:
+            seq.first_token_at = now
             if not seq.internal:
-                self.metrics.tokens(0, 1)
-            data, stopped = seq.out.push(token)
-            finish = "stop" if stopped else "length" if seq.generated >= seq.max_tokens else None
-            if finish == "length":
-                data += seq.out.flush()
+                self.metrics.first_token(now - seq.arrived)
+        if not seq.internal:
+            self.metrics.tokens(0, 1)
+        data, stopped = seq.out.push(token)
+        finish = "stop" if stopped else "length" if seq.generated >= seq.max_tokens else None
+        if finish == "length":
+            data += seq.out.flush()
+        if finish:
+            seq.finished = True
+        if not seq.stream:
+            seq.held += data
             if finish:
-                seq.finished = True
-            if not seq.stream:
-                seq.held += data
-                if finish:
-                    seq.emit(Output(data=bytes(seq.held), finish_reason=finish, completion_tokens=seq.generated))
-            elif data or finish:
-                seq.emit(Output(data=data, finish_reason=finish, completion_tokens=seq.generated))
+                seq.emit(Output(data=bytes(seq.held), finish_reason=finish, completion_tokens=seq.generated))
+        elif data or finish:
+            seq.emit(Output(data=data, finish_reason=finish, completion_tokens=seq.generated))
+
+    def _fail(self, seq: Sequence, message: str) -> None:
+        """End one sequence with an error; its slot is freed at the next retire."""
+        seq.finished = True
+        try:
+            seq.emit(Output(error=message, completion_tokens=seq.generated))
+        except Exception:  # its callback is what failed: nobody is left to tell
+            log.exception("request %d: reporting its error failed too", seq.id)

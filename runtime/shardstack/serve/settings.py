@@ -9,6 +9,8 @@ from typing import Any
 
 import torch
 
+from shardstack.accel import decide_device, probe
+from shardstack.errors import ShardstackError
 from shardstack.model.dtypes import DTYPES
 
 
@@ -31,9 +33,17 @@ class ServeSettings:
 
 
 def resolve_device(name: str) -> torch.device:
-    if name == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    return torch.device(name)
+    """auto | cpu | cuda | cuda:N → a device; on a node with NVIDIA GPUs that cannot run CUDA, auto and cuda refuse
+    with the cause (shardstack.accel) instead of serving from CPU."""
+    kind, _, index = name.partition(":")
+    choice = decide_device(probe(), kind, setting="--device")
+    if choice.type == "cpu":
+        return torch.device("cpu")
+    device = torch.device("cuda", int(index) if index else 0)
+    if device.index >= torch.cuda.device_count():
+        raise ShardstackError(f"--device {name}: this node has {torch.cuda.device_count()} CUDA device(s)",
+                              hint="use cuda:0 … or auto")
+    return device
 
 
 def resolve_dtype(name: str, device: torch.device) -> torch.dtype:

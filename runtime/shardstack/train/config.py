@@ -20,8 +20,8 @@ from typing import Any, Literal
 import yaml
 
 from shardstack.errors import ShardstackError
-from shardstack.model.factory import ModelConfig
-from shardstack.model.gpt import PRESETS
+from shardstack.model.factory import ModelConfig, check_model_config
+from shardstack.train.checkpoint.signing import DEFAULT_KEY_FILE
 
 
 @dataclass
@@ -76,9 +76,12 @@ class BatchConfig:
 class CheckpointConfig:
     dir: str | None = None
     interval: int = 100
-    keep: int = 3
+    keep: int = 3  # the newest N valid checkpoints stay; 0 = keep all
     resume: str = "auto"  # "auto" | "never" | a step directory path
     async_save: bool = False
+    # HMAC key that signs every manifest: on each node, readable by the job's account only, never on shared storage.
+    signing_key_file: str = DEFAULT_KEY_FILE
+    require_signature: bool = True  # false: save and resume unsigned checkpoints (a local single-user run)
 
 
 @dataclass
@@ -125,6 +128,10 @@ _CHECKS: dict[str, tuple[typing.Callable[[Any], bool], str]] = {
     "model.d_model": (lambda v: v is None or v >= 1, "an integer ≥ 1"),
     "model.seq_len": (lambda v: v is None or v >= 2, "an integer ≥ 2"),
     "model.vocab_size": (lambda v: v is None or v >= 2, "an integer ≥ 2"),
+    "model.n_kv_head": (lambda v: v is None or v >= 1, "an integer ≥ 1"),
+    "model.ffn_dim": (lambda v: v is None or v >= 1, "an integer ≥ 1"),
+    "model.norm_eps": (lambda v: v is None or v > 0, "a number > 0"),
+    "model.rope_theta": (lambda v: v is None or v > 0, "a number > 0"),
     "model.dropout": (lambda v: v is None or 0 <= v < 1, "a number in [0, 1)"),
     "engine.prefetch": (lambda v: v >= 1, "an integer ≥ 1"),
     "engine.reshard_group": (lambda v: v is None or v >= 1, "an integer ≥ 1 or null"),
@@ -143,7 +150,7 @@ _CHECKS: dict[str, tuple[typing.Callable[[Any], bool], str]] = {
     "batch.accumulation": (lambda v: v is None or v >= 1, "an integer ≥ 1 or null"),
     "batch.cpu_memory_budget_mb": (lambda v: v is None or v >= 1, "an integer ≥ 1 or null"),
     "checkpoint.interval": (lambda v: v >= 1, "an integer ≥ 1"),
-    "checkpoint.keep": (lambda v: v >= 1, "an integer ≥ 1"),
+    "checkpoint.keep": (lambda v: v >= 0, "an integer ≥ 0 (0 keeps all)"),
     "metrics.port": (lambda v: v is None or 0 <= v <= 65535, "a port number 0–65535 or null"),
     "metrics.log_every": (lambda v: v >= 1, "an integer ≥ 1"),
     "metrics.peak_tflops": (lambda v: v is None or v > 0, "a number > 0 or null"),
@@ -235,15 +242,7 @@ def _build(cls: type, data: Any, prefix: str) -> Any:
 
 
 def _cross_checks(cfg: JobConfig) -> None:
-    if cfg.model.factory is None and cfg.model.size not in PRESETS:
-        close = difflib.get_close_matches(cfg.model.size, list(PRESETS), n=1)
-        raise ShardstackError(
-            f"config key 'model.size' is {cfg.model.size!r}; expected one of {', '.join(PRESETS)}",
-            hint=f"did you mean '{close[0]}'?" if close else None,
-        )
-    if cfg.model.factory is not None and ":" not in cfg.model.factory:
-        raise ShardstackError(
-            f"config key 'model.factory' is {cfg.model.factory!r}; expected 'package.module:function'")
+    check_model_config(cfg.model)
     if cfg.engine.offload == "cpu" and cfg.engine.stage < 2:
         raise ShardstackError(
             f"config key 'engine.offload' is 'cpu' but engine.stage is {cfg.engine.stage}",

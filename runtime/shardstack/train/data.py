@@ -1,15 +1,21 @@
 """Token shards on disk and a sampler driven by one global sample index.
 
-`prepare` turns text into uint16 token files (byte-level tokenizer: token = byte value, so nothing is downloaded)
-plus `meta.json`. A sample is a window of seq_len + 1 tokens; windows never straddle a shard. The sampler maps the
-global sample index g to a window through a seeded permutation per epoch, and step s always consumes indices
-[s·B, (s+1)·B) of that stream (B = global batch), split evenly over the ranks. Its state is just the next index, so
-resuming on any world size continues the same stream.
+`prepare` turns text into token files plus `meta.json`, with the byte-level tokenizer (token = byte value, so nothing
+is downloaded) or a tokenizer directory (`shardstack tokenizer train`, or a Hugging Face model's): uint16 ids when
+the vocabulary fits, else uint32, encoded in parallel worker processes over blocks of the input files. A sample is a
+window of seq_len + 1 tokens; windows never straddle a shard. The sampler maps the global sample index g to a window
+through a seeded permutation per epoch, and step s always consumes indices [s·B, (s+1)·B) of that stream (B = global
+batch), split evenly over the ranks. Its state is just the next index, so resuming on any world size continues the
+same stream.
 """
 
 from __future__ import annotations
 
 import json
+import multiprocessing
+import os
+from collections.abc import Callable, Iterator
+from concurrent.futures import ProcessPoolExecutor
 from pathlib import Path
 from typing import Any
 
@@ -17,10 +23,11 @@ import numpy as np
 import torch
 
 from shardstack.errors import ShardstackError
+from shardstack.model.tokenizer import BYTES, HFTokenizer, copy_files, encode_block, load_tokenizer
 
 CORPUS_DIR = Path(__file__).resolve().parents[1] / "corpus"
-TOKEN_DTYPE = np.uint16
-SHARD_TOKENS = 1 << 26  # 64 Mi tokens (128 MiB) per shard file
+SHARD_TOKENS = 1 << 26  # 64 Mi tokens per shard file
+BLOCK_BYTES = 16 << 20  # the unit of work of one encoding process (cut at a line end)
 
 
 def _inputs(src: Path) -> list[Path]:
@@ -35,40 +42,93 @@ def _inputs(src: Path) -> list[Path]:
                           "for the shipped corpus")
 
 
-def prepare(src: str | Path | None, out: str | Path, *, shard_tokens: int = SHARD_TOKENS) -> dict[str, Any]:
-    """Tokenise `src` (a file, a directory of *.txt, or None for the shipped corpus) into `out`. Returns meta."""
-    files = _inputs(Path(src) if src is not None else CORPUS_DIR)
+def input_files(src: str | Path | None) -> list[Path]:
+    """The text files `src` names (a file, a directory of *.txt, or None for the shipped corpus)."""
+    return _inputs(Path(src) if src is not None else CORPUS_DIR)
+
+
+def _blocks(path: Path, block_bytes: int) -> Iterator[tuple[int, int]]:
+    """[start, end) byte ranges of about `block_bytes` covering the file, each ending after a newline (or at the end)
+    so that no character or line is cut."""
+    size = path.stat().st_size
+    start = 0
+    with open(path, "rb") as f:
+        while start < size:
+            end = min(size, start + block_bytes)
+            if end < size:
+                f.seek(end)
+                tail = f.read(1 << 20)
+                cut = tail.find(b"\n")
+                if cut < 0:  # no line end near: back off to the start of a UTF-8 character
+                    cut = next((i for i in range(min(4, len(tail))) if tail[i] & 0xC0 != 0x80), 0) - 1
+                end += cut + 1
+            yield start, end
+            start = end
+
+
+def prepare(src: str | Path | None, out: str | Path, *, tokenizer: str = BYTES, shard_tokens: int = SHARD_TOKENS,
+            workers: int | None = None, progress: Callable[[int, int], None] | None = None,
+            block_bytes: int = BLOCK_BYTES) -> dict[str, Any]:
+    """Tokenise `src` (a file, a directory of *.txt, or None for the shipped corpus) into `out` with `tokenizer`
+    ('bytes' or a tokenizer directory); a tokenizer's EOS, if it has one, ends every file. `progress(done, total)`
+    is called with input bytes. Returns the meta.json it writes."""
+    files = input_files(src)
+    tok = load_tokenizer(tokenizer)
+    dtype = np.dtype(np.uint16 if tok.vocab_size <= 65535 else np.uint32)
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
     for old in out.glob("tokens-*.bin"):
         old.unlink()
-    shards: list[dict[str, Any]] = []
-    buf = bytearray()
-
-    def flush() -> None:
-        name = f"tokens-{len(shards):05d}.bin"
-        np.frombuffer(bytes(buf), dtype=np.uint8).astype(TOKEN_DTYPE).tofile(out / name)
-        shards.append({"file": name, "tokens": len(buf)})
-        buf.clear()
-
+    spec = str(tokenizer) if tokenizer == BYTES else str(Path(tokenizer).resolve())
+    tasks = []
     for f in files:
-        buf += f.read_bytes()
-        while len(buf) >= shard_tokens:
-            rest = buf[shard_tokens:]
-            del buf[shard_tokens:]
-            flush()
-            buf += rest
-    if buf or not shards:
-        flush()
-    meta = {
+        blocks = list(_blocks(f, block_bytes)) or [(0, 0)]
+        tasks += [(spec, str(f), a, b, i == len(blocks) - 1) for i, (a, b) in enumerate(blocks)]
+    total = sum(f.stat().st_size for f in files)
+    shards: list[dict[str, Any]] = []
+    pending: list[np.ndarray] = []
+    held = 0
+
+    def flush(n: int) -> None:
+        nonlocal pending, held
+        data = np.concatenate(pending) if pending else np.empty(0, dtype)
+        name = f"tokens-{len(shards):05d}.bin"
+        data[:n].tofile(out / name)
+        shards.append({"file": name, "tokens": int(n)})
+        pending, held = [data[n:]], len(data) - n
+
+    n_workers = 1 if tok.name == BYTES else max(1, min(workers or os.cpu_count() or 1, len(tasks)))
+    # Forked workers start at once with the modules loaded (as DataLoader's do); the byte tokenizer needs none.
+    pool = ProcessPoolExecutor(n_workers, mp_context=multiprocessing.get_context("fork")) if n_workers > 1 else None
+    try:
+        results = pool.map(encode_block, *zip(*tasks, strict=True)) if pool else (encode_block(*t) for t in tasks)
+        done = 0
+        for raw, nbytes in results:  # in input order, whatever finishes first
+            pending.append(np.frombuffer(raw, dtype="<u4").astype(dtype))
+            held += len(pending[-1])
+            while held >= shard_tokens:
+                flush(shard_tokens)
+            done += nbytes
+            if progress:
+                progress(done, total)
+    finally:
+        if pool:
+            pool.shutdown(cancel_futures=True)
+    if held or not shards:
+        flush(held)
+    meta: dict[str, Any] = {
         "format": 1,
-        "tokenizer": "bytes",
-        "vocab_size": 256,
-        "dtype": np.dtype(TOKEN_DTYPE).name,
+        "tokenizer": tok.name,
+        "vocab_size": tok.vocab_size,
+        "dtype": dtype.name,
         "shards": shards,
         "total_tokens": sum(s["tokens"] for s in shards),
         "sources": [str(f) for f in files],
     }
+    if isinstance(tok, HFTokenizer):
+        # The data directory carries its tokenizer: the trainer and `shardstack export` take it from here.
+        copy_files(tok, out)
+        meta |= {"tokenizer_sha256": tok.sha256, "tokenizer_source": str(tok.directory), "eos_id": tok.eos_id}
     (out / "meta.json").write_text(json.dumps(meta, indent=2) + "\n")
     return meta
 

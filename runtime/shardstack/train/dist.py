@@ -1,4 +1,8 @@
-"""Process-group setup: GPU + NCCL when CUDA is present, CPU + gloo otherwise; under torchrun or alone.
+"""Process-group setup: GPU + NCCL on a node with NVIDIA GPUs, CPU + gloo on one without; under torchrun or alone.
+
+The choice is shardstack.accel's: a node with NVIDIA hardware (PCI vendor 0x10de, /dev/nvidia<N>) whose driver,
+torch build or CUDA runtime does not work refuses to start, naming the cause, instead of training on CPU while
+torchrun starts one worker per GPU.
 
 Alone (no RANK/WORLD_SIZE in the environment) it still creates a 1-process group on an in-memory store, so FSDP2,
 DCP and every collective behave exactly as in a multi-process job.
@@ -15,6 +19,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
+from shardstack.accel import decide_device, probe
 from shardstack.errors import ShardstackError
 
 log = logging.getLogger("shardstack.dist")
@@ -38,18 +43,16 @@ class DistInfo:
 
 
 def _pick_device(prefer: str, local_rank: int) -> tuple[torch.device, str, str]:
-    if prefer in ("auto", "cuda") and torch.cuda.is_available():
-        if local_rank >= torch.cuda.device_count():
-            raise ShardstackError(
-                f"local rank {local_rank} has no GPU: this node shows {torch.cuda.device_count()} CUDA device(s)",
-                hint="start torchrun with --nproc-per-node equal to the number of GPUs",
-            )
-        torch.cuda.set_device(local_rank)
-        return torch.device("cuda", local_rank), "nccl", torch.cuda.get_device_name(local_rank)
-    if prefer == "cuda":
-        raise ShardstackError("engine.device is 'cuda' but no CUDA device is available", hint="use device: auto")
-    why = "engine.device is 'cpu'" if prefer == "cpu" else "no CUDA device found"
-    return torch.device("cpu"), "gloo", why
+    choice = decide_device(probe(), prefer)
+    if choice.type == "cpu":
+        return torch.device("cpu"), "gloo", choice.why
+    if local_rank >= torch.cuda.device_count():
+        raise ShardstackError(
+            f"local rank {local_rank} has no GPU: this node shows {torch.cuda.device_count()} CUDA device(s)",
+            hint="start torchrun with --nproc-per-node equal to the number of GPUs",
+        )
+    torch.cuda.set_device(local_rank)
+    return torch.device("cuda", local_rank), "nccl", torch.cuda.get_device_name(local_rank)
 
 
 def _elastic_store_kwargs(rank: int) -> dict:

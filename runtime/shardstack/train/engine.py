@@ -25,7 +25,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -51,6 +51,9 @@ from shardstack.train.optim import make_optimizer, optimizer_param_groups
 from shardstack.train.parallelize import parallelize
 
 log = logging.getLogger("shardstack.engine")
+
+# Allocates a meta-device model's parameters on a device and fills them (shardstack.train.build).
+Materialize = Callable[[nn.Module, torch.device], None]
 
 
 def _local(t: torch.Tensor) -> torch.Tensor:
@@ -249,10 +252,23 @@ class Engine:
         set_state_dict(self.model, self.optimizer, model_state_dict=sd["model"], optim_state_dict=sd["optimizer"])
 
 
-def build_engine(model: nn.Module, engine_cfg: EngineConfig, optim_cfg: OptimizerConfig, dist_info: DistInfo) -> Engine:
-    """Wrap `model` (already initialised, identically on every rank) for `engine_cfg.stage` and give it its
-    optimizer."""
+def build_engine(model: nn.Module, engine_cfg: EngineConfig, optim_cfg: OptimizerConfig, dist_info: DistInfo, *,
+                 materialize: Materialize | None = None) -> Engine:
+    """Wrap `model` for `engine_cfg.stage` and give it its optimizer.
+
+    `model` is either initialised (identically on every rank) or on the meta device; then `materialize(module,
+    device)` allocates and fills it: before DDP for stages 0/1, which replicate the whole model anyway, and after
+    fully_shard for stages 2/3, where each rank allocates only its shards (on the host with CPU offload).
+    """
+    on_meta = any(p.is_meta for p in model.parameters())
+    if on_meta and materialize is None:
+        raise ValueError("a model on the meta device needs `materialize`")
+    if on_meta and engine_cfg.stage <= 1:
+        materialize(model, dist_info.device)
     wrapped = parallelize(model, engine_cfg, dist_info)
+    if on_meta and engine_cfg.stage >= 2:
+        materialize(model, torch.device("cpu") if engine_cfg.offload == "cpu" else dist_info.device)
     module = wrapped.module if isinstance(wrapped, DDP) else wrapped
+    # After materialising: the optimizer holds the parameters that carry the weights.
     optimizer = make_optimizer(optimizer_param_groups(module, optim_cfg.weight_decay), optim_cfg, engine_cfg.stage)
     return Engine(module, wrapped, optimizer, engine_cfg.stage, engine_cfg, optim_cfg, dist_info)

@@ -11,7 +11,7 @@ import time
 from typing import IO, Any
 
 import torch
-from prometheus_client import CollectorRegistry, Gauge, start_http_server
+from prometheus_client import CollectorRegistry, Counter, Gauge, start_http_server
 
 from shardstack.errors import ShardstackError
 from shardstack.train.config import MetricsConfig
@@ -71,6 +71,10 @@ class TrainMetrics:
         self.last_step_ts = Gauge("shardstack_train_last_step_timestamp_seconds",
                                   "Unix time at which the last step finished", registry=r)
         self.step = Gauge("shardstack_train_step", "Last finished optimizer step", registry=r)
+        self.checkpoint_skipped = Counter("shardstack_train_checkpoint_skipped", "Checkpoint saves skipped because "
+                                          "the checkpoint filesystem lacked the space for one more", registry=r)
+        self.checkpoint_free_bytes = Gauge("shardstack_train_checkpoint_free_bytes",
+                                           "Free bytes on the checkpoint filesystem at the last save", registry=r)
         self._server = None
         if port:
             try:
@@ -142,6 +146,13 @@ class MetricsProcessor:
             log.info("step %d/%d loss %.4f lr %.2e %.0f tok/s %.3fs/step MFU %.2f%%", step, end, loss, lr, tps,
                      seconds, 100 * mfu)
         return tps
+
+    def checkpoint_space(self, *, free_bytes: int, skipped: bool) -> None:
+        """The checkpointer's free-space check before a save (every rank calls it; rank 0 exports it)."""
+        if self.gauges:
+            self.gauges.checkpoint_free_bytes.set(free_bytes)
+            if skipped:
+                self.gauges.checkpoint_skipped.inc()
 
     def close(self) -> None:
         if self.gauges:

@@ -90,8 +90,9 @@ def prepare_blocks(blocks: Sequence[nn.Module], engine_cfg: EngineConfig, device
 
 
 def parallelize(model: nn.Module, engine_cfg: EngineConfig, dist_info: DistInfo) -> nn.Module:
-    """Wrap `model` (already initialised, identically on every rank) for `engine_cfg.stage`: a DDP wrapper for
-    stages 0/1 (the model moves to the device), or the model itself, sharded in place by FSDP2, for 2/3."""
+    """Wrap `model` for `engine_cfg.stage`: a DDP wrapper for stages 0/1 (the model, initialised identically on every
+    rank, moves to the device), or the model itself, sharded in place by FSDP2, for 2/3 (still on the meta device
+    when the trainer built it there: build_engine materialises the shards afterwards)."""
     stage = engine_cfg.stage
     dev = dist_info.device
     prepare_blocks(shard_units(model), engine_cfg, dev)

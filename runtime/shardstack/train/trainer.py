@@ -6,6 +6,7 @@ the checkpointer. After the first step it logs the estimator's per-rank bytes ne
 
 from __future__ import annotations
 
+import json
 import logging
 import random
 import sys
@@ -17,13 +18,14 @@ import numpy as np
 import torch
 
 from shardstack.errors import ShardstackError
-from shardstack.model.factory import build_model
+from shardstack.train.build import build_on_meta
 from shardstack.train.config import JobConfig
 from shardstack.train.data import Batches, GlobalSampler, TokenDataset
 from shardstack.train.dist import DistInfo, init_distributed
 from shardstack.train.engine import Engine, build_engine
 from shardstack.train.memory.autobatch import find_micro_batch
 from shardstack.train.memory.estimate import estimate_stage
+from shardstack.train.memory.host import tune_allocator
 from shardstack.train.metrics import MetricsProcessor
 from shardstack.train.optim import make_scheduler
 
@@ -31,8 +33,9 @@ log = logging.getLogger("shardstack.trainer")
 
 
 class TrainState:
-    """What a checkpoint holds (torch.distributed.checkpoint Stateful): model/optimizer from the engine, scheduler,
-    step, RNG and the sampler's global position."""
+    """What a checkpoint holds (torch.distributed.checkpoint Stateful): model/optimizer from the engine, and the rest
+    as data that needs no pickle: the torch RNG as a plain uint8 tensor, and step, scheduler, sampler position and
+    the numpy/python RNG states as one JSON string (checkpoint/reader.py loads non-tensor items weights-only)."""
 
     def __init__(self, engine: Engine, scheduler: torch.optim.lr_scheduler.LRScheduler, sampler: GlobalSampler):
         self.engine, self.scheduler, self.sampler = engine, scheduler, sampler
@@ -40,25 +43,37 @@ class TrainState:
 
     def state_dict(self) -> dict[str, Any]:
         sd = self.engine.state_dict()
-        return {
-            "model": sd["model"],
-            "optimizer": sd["optimizer"],
-            "scheduler": self.scheduler.state_dict(),
+        # Rank 0's generators (plain values are saved once): with dropout 0, the default, nothing draws from them.
+        np_rng = np.random.get_state(legacy=False)
+        version, mt, gauss = random.getstate()
+        train = {
             "step": self.step,
-            # Rank 0's generators (plain values are saved once): with dropout 0, the default, nothing draws from them.
-            "rng": {"torch": torch.get_rng_state(), "numpy": np.random.get_state(), "python": random.getstate()},
+            "scheduler": self.scheduler.state_dict(),
             "data": self.sampler.state_dict(),
+            "numpy_rng": {**np_rng, "state": {"key": np_rng["state"]["key"].tolist(), "pos": np_rng["state"]["pos"]}},
+            "python_rng": [version, list(mt), gauss],
         }
+        return {"model": sd["model"], "optimizer": sd["optimizer"], "torch_rng": torch.get_rng_state(),
+                "train": json.dumps(train)}
 
     def load_state_dict(self, sd: dict[str, Any]) -> None:
         self.engine.load_state_dict({"model": sd["model"], "optimizer": sd["optimizer"]})
-        self.scheduler.load_state_dict(sd["scheduler"])
-        self.step = int(sd["step"])
-        rng = sd["rng"]
-        torch.set_rng_state(rng["torch"])
-        np.random.set_state(rng["numpy"])
-        random.setstate(rng["python"])
-        self.sampler.load_state_dict(sd["data"])
+        try:
+            train = json.loads(sd["train"])
+            step = train["step"]
+            if not isinstance(step, int) or isinstance(step, bool) or step < 0:
+                raise ValueError(f"step is {step!r}")
+            self.scheduler.load_state_dict(train["scheduler"])
+            np_rng = train["numpy_rng"]
+            np.random.set_state({**np_rng, "state": {**np_rng["state"],
+                                                     "key": np.asarray(np_rng["state"]["key"], dtype=np.uint32)}})
+            version, mt, gauss = train["python_rng"]
+            random.setstate((version, tuple(mt), gauss))
+            torch.set_rng_state(sd["torch_rng"])
+            self.sampler.load_state_dict(train["data"])
+        except (KeyError, TypeError, ValueError, RuntimeError) as exc:
+            raise ShardstackError(f"the checkpoint's training state is malformed ({exc})") from None
+        self.step = step
 
 
 @dataclass
@@ -104,12 +119,14 @@ def train(cfg: JobConfig, max_steps: int | None = None, *, out=None) -> TrainRes
     """Train until schedule.total_steps (or `max_steps` more steps). Works alone or under torchrun."""
     out = out or sys.stdout
     info = init_distributed(cfg.engine.device)
+    if info.device.type == "cpu":
+        # FSDP frees and re-allocates every block's gathered weights each step; glibc's adaptive mmap threshold would
+        # keep those buffers in a heap that never shrinks, and the RSS would creep past what the shards need.
+        tune_allocator()
     random.seed(cfg.seed)
     np.random.seed(cfg.seed)
-    torch.manual_seed(cfg.seed)  # the same initial weights on every rank
-    build_on = torch.device("cpu") if cfg.engine.offload == "cpu" else info.device
-    with build_on:
-        model = build_model(cfg.model)
+    # No rank ever holds the whole model: build on meta, shard, then materialise the local shards (build_engine).
+    model, materialize = build_on_meta(cfg.model, cfg.seed)
     seq_len = getattr(getattr(model, "config", None), "seq_len", None)
     if seq_len is None:
         raise ShardstackError("the model has no config.seq_len: the data windows need it")
@@ -123,7 +140,7 @@ def train(cfg: JobConfig, max_steps: int | None = None, *, out=None) -> TrainRes
     flops_per_token = model.flops_per_token() if hasattr(model, "flops_per_token") else \
         6 * sum(p.numel() for p in model.parameters())
 
-    engine = build_engine(model, cfg.engine, cfg.optimizer, info)
+    engine = build_engine(model, cfg.engine, cfg.optimizer, info, materialize=materialize)
     if cfg.batch.micro_batch == "auto":
         micro = find_micro_batch(cfg, engine, seq_len, model_vocab)
     else:
@@ -145,6 +162,8 @@ def train(cfg: JobConfig, max_steps: int | None = None, *, out=None) -> TrainRes
     tokens_per_step = cfg.batch.global_batch * seq_len
     metrics = MetricsProcessor(cfg.metrics, is_main=info.is_main, device=info.device, world_size=info.world_size,
                                tokens_per_step=tokens_per_step, flops_per_token=flops_per_token, out=out)
+    if ckpt:
+        ckpt.on_space_check = lambda c: metrics.checkpoint_space(free_bytes=c.free_bytes, skipped=c.skipped)
     if info.is_main:
         log.info("stage %d, precision %s, offload %s, global batch %d = micro %d × accumulation %d × world %d; "
                  "steps %d→%d; MFU against %.1f TFLOP/s per device (%s)", engine.stage, cfg.engine.precision,

@@ -1,15 +1,16 @@
-"""The collective side of checkpoints: every rank saves its DCP shards, rank 0 commits with a manifest (see
-`layout` for the on-disk format), and resume takes the newest checkpoint that verifies."""
+"""The collective side of checkpoints: every rank saves its DCP shards, rank 0 commits with a signed manifest (see
+`layout` for the on-disk format), and resume takes the newest checkpoint that verifies, quarantining the invalid
+ones it passes."""
 
 from __future__ import annotations
 
-import contextlib
 import logging
 import os
 import shutil
 import socket
 import time
 import uuid
+from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
@@ -19,7 +20,9 @@ from typing import TYPE_CHECKING, Any, Protocol
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.stateful import Stateful
+from torch.distributed.tensor import DTensor
 
 from shardstack.errors import ShardstackError
 from shardstack.train.checkpoint.layout import (
@@ -27,27 +30,46 @@ from shardstack.train.checkpoint.layout import (
     MANIFEST,
     MANIFEST_FORMAT,
     STALE_RE,
+    Problem,
     check_files,
     file_entry,
     fsync_dir,
     fsync_file,
     list_checkpoints,
+    quarantine,
     read_manifest,
     remove_tree,
     step_dir_name,
+    verify_checkpoint,
     write_json_durable,
 )
+from shardstack.train.checkpoint.reader import CheckpointReader, WeightsOnlyLoadPlanner, dcp_failure
+from shardstack.train.checkpoint.signing import SigningKey, load_signing_key, sign
 
 if TYPE_CHECKING:
     from shardstack.train.config import CheckpointConfig
 
 log = logging.getLogger("shardstack.checkpoint")
 
+# One more checkpoint needs its estimated size plus this much: shard sizes drift with the world size and the
+# filesystem needs room for its own metadata.
+SPACE_MARGIN_RATIO = 0.10
+SPACE_MARGIN_BYTES = 64 * 2**20
+
 
 class _DistLike(Protocol):
     rank: int
     world_size: int
 
+
+@dataclass(frozen=True)
+class SpaceCheck:
+    """The free-space check before a save, as every rank saw it."""
+
+    step: int
+    free_bytes: int  # the least any rank's checkpoint filesystem reported
+    needed_bytes: int  # the estimated size of one checkpoint plus the margin
+    skipped: bool
 
 
 @dataclass
@@ -57,11 +79,27 @@ class _PendingSave:
     started: float = field(default_factory=time.monotonic)
 
 
+def _free_bytes(path: Path) -> int:
+    """Free bytes (for unprivileged writers) on the filesystem `path` is on, or would be on once created."""
+    while not path.exists() and path != path.parent:
+        path = path.parent
+    return shutil.disk_usage(path).free
+
+
+def _quarantine(path: Path, problem: Problem) -> None:
+    """Quarantine on rank 0 without ever raising: the other ranks are not waiting for it, they must not hang."""
+    try:
+        log.warning("quarantined %s as %s", path.name, quarantine(path, problem).name)
+    except OSError as exc:
+        log.warning("could not quarantine %s: %s", path, exc.strerror)
+
+
 class Checkpointer:
     """Saves and restores the trainer's `app_state` (a DCP `Stateful`) under `cfg.dir`; a no-op when it is None.
 
     Every rank must call every method in the same order (they are collective). `stage` and `job_config` are
     recorded in the manifest: the stage for `checkpoint ls`, the job config so `export` knows the model shape.
+    `on_space_check` is called on every rank with each save's `SpaceCheck` (the trainer feeds its metrics).
     """
 
     def __init__(
@@ -72,11 +110,13 @@ class Checkpointer:
         dist: _DistLike | None = None,
         stage: int | None = None,
         job_config: dict[str, Any] | None = None,
+        on_space_check: Callable[[SpaceCheck], None] | None = None,
     ) -> None:
         self.cfg = cfg
         self.config_hash = config_hash
         self.stage = stage
         self.job_config = job_config
+        self.on_space_check = on_space_check
         self.enabled = cfg.dir is not None
         self.root = Path(cfg.dir) if cfg.dir is not None else None
         self._distributed = torch.distributed.is_available() and torch.distributed.is_initialized()
@@ -86,15 +126,49 @@ class Checkpointer:
         )
         self.last_saved_step: int | None = None
         self.last_save_seconds: float | None = None  # blocking time of the last save (staging only when async)
+        self.skipped_saves = 0
+        self._last_skipped_step: int | None = None
+        self._last_total_bytes: int | None = None  # of the newest checkpoint this job committed or resumed (rank 0)
         self._pending: _PendingSave | None = None
         self._executor: ThreadPoolExecutor | None = None
         self._pg = None
+        self.key: SigningKey | None = self._open_key() if self.enabled else None
         if self.enabled and cfg.async_save:
             self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="shardstack-ckpt")
             if self._distributed:
                 # Async uploads run collectives from a background thread: give them their own gloo group so they
                 # can never interleave with the training loop's collectives on the default group.
                 self._pg = torch.distributed.new_group(backend="gloo")
+
+    def _open_key(self) -> SigningKey | None:
+        """Every rank reads the key (any rank may be rank 0 after a restart); one rank's failure fails them all."""
+        assert self.root is not None
+        if not self.cfg.require_signature:
+            if self.rank == 0:
+                log.warning(
+                    "checkpoint.require_signature is false: checkpoints under %s are saved and resumed UNSIGNED; "
+                    "anyone who can write there can change what this job resumes (they still cannot run code "
+                    "through it: nothing is unpickled into live objects)", self.root)
+            return None
+        key_path = Path(self.cfg.signing_key_file)
+        key: SigningKey | None = None
+        error: tuple[str, str | None] | None = None
+        if key_path.resolve().is_relative_to(self.root.resolve()):
+            error = (f"checkpoint.signing_key_file ({key_path}) lies under checkpoint.dir: whoever can write "
+                     f"checkpoints could read the key", "keep the key off the shared storage")
+        else:
+            try:
+                key = load_signing_key(key_path)
+            except ShardstackError as exc:
+                error = (exc.args[0], exc.hint)
+        errors = [(rank, e) for rank, e in enumerate(self._all_gather(error)) if e is not None]
+        if errors:
+            rank, (message, hint) = errors[0]
+            where = f" (rank {rank})" if self.world_size > 1 else ""
+            raise ShardstackError(
+                f"{message}{where}", hint=f"{hint + '; ' if hint else ''}checkpoint.signing_key_file names the key; "
+                "a local single-user run without one can set checkpoint.require_signature: false")
+        return key
 
     # -- collectives that degrade to local calls when there is no process group ---------------------------------
 
@@ -138,50 +212,83 @@ class Checkpointer:
         else:
             chosen = self._explicit(Path(self.cfg.resume))
         path, manifest = chosen
-        if manifest.get("config_hash") != self.config_hash and self.rank == 0:
+        if manifest["config_hash"] != self.config_hash and self.rank == 0:
             log.warning(
                 "checkpoint %s was written by a job with config hash %s, this job has %s; resuming anyway "
                 "(model and optimizer shapes are checked by the load)",
-                path.name, manifest.get("config_hash"), self.config_hash,
+                path.name, manifest["config_hash"], self.config_hash,
             )
         t0 = time.monotonic()
-        state = app_state.state_dict()
-        dcp.load(state, checkpoint_id=str(path))
-        app_state.load_state_dict(state)
-        step = int(manifest["step"])
+        self._load(path, manifest, app_state)
+        step = manifest["step"]
         self.last_saved_step = step
+        self._last_total_bytes = manifest["total_bytes"]
         if self.rank == 0:
             restart = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") or 0)
             log.info(
                 "%sresumed from %s (step %d, saved by %d ranks at stage %s; now %d ranks) in %.1fs",
-                f"elastic restart {restart}: " if restart else "", path, step, manifest.get("world_size"),
-                manifest.get("stage"), self.world_size, time.monotonic() - t0,
+                f"elastic restart {restart}: " if restart else "", path, step, manifest["world_size"],
+                manifest["stage"], self.world_size, time.monotonic() - t0,
             )
         return step
+
+    def _load(self, path: Path, manifest: dict[str, Any], app_state: Stateful) -> None:
+        """DCP load through the restricted reader and planner; any rank's failure is one clear error on all."""
+        reader = CheckpointReader(path, [n for n in manifest["files"] if n != DCP_METADATA])
+        error: str | None = None
+        try:
+            reader.read_metadata()  # parsed and checked here, on every rank, so DCP never meets a bad one
+        except ShardstackError as exc:
+            error = str(exc)
+        errors = [e for e in self._all_gather(error) if e is not None]
+        if errors:
+            raise ShardstackError(f"cannot load checkpoint {path}: {errors[0]}")
+        state = app_state.state_dict()
+        try:
+            dcp.load(state, storage_reader=reader, planner=WeightsOnlyLoadPlanner())
+        except CheckpointException as exc:
+            raise ShardstackError(f"cannot load checkpoint {path}: {dcp_failure(exc)}") from None
+        app_state.load_state_dict(state)
 
     def _explicit(self, path: Path) -> tuple[Path, dict[str, Any]]:
         if not path.is_absolute() and not path.exists():
             path = self.root / path  # type: ignore[operator]
-        problem = self._verify_everywhere(path, self._broadcast(read_manifest(path) if self.rank == 0 else None))
+        parsed = self._broadcast(read_manifest(path, key=self.key) if self.rank == 0 else None)
+        problem = self._verify_everywhere(path, parsed)
         if problem is not None:
             raise ShardstackError(
                 f"checkpoint.resume names {path}, which is not a valid checkpoint: {problem}",
                 hint="use resume: auto to take the newest valid checkpoint, or never to start fresh",
             )
-        return path, read_manifest(path)[0]  # type: ignore[return-value]
+        return path, parsed[0]
 
     def _find_newest_valid(self) -> tuple[Path, dict[str, Any]] | None:
+        """Newest first; each invalid one is quarantined (rank 0), except those signed with another key: they may
+        be fine, and this job must not start over on top of them."""
         candidates = self._broadcast(list_checkpoints(self.root) if self.rank == 0 else None)  # type: ignore[arg-type]
+        other_key: list[Problem] = []
         for _step, path in reversed(candidates):
-            parsed = self._broadcast(read_manifest(path) if self.rank == 0 else None)
+            parsed = self._broadcast(read_manifest(path, key=self.key) if self.rank == 0 else None)
             problem = self._verify_everywhere(path, parsed)
             if problem is None:
                 return path, parsed[0]
+            if problem.reason == "other-key":
+                other_key.append(problem)
+                if self.rank == 0:
+                    log.warning("skipping checkpoint %s: %s; trying the previous one", path, problem)
+                continue
             if self.rank == 0:
                 log.warning("skipping checkpoint %s: %s; trying the previous one", path, problem)
+                _quarantine(path, problem)
+        if other_key:
+            raise ShardstackError(
+                f"no checkpoint under {self.root} is signed with this job's key, and {len(other_key)} are signed "
+                f"with another: {other_key[0]}",
+                hint="put the key they were signed with at checkpoint.signing_key_file, or move those checkpoints "
+                     "away to start from step 0")
         return None
 
-    def _verify_everywhere(self, path: Path, parsed: tuple[dict[str, Any] | None, str | None]) -> str | None:
+    def _verify_everywhere(self, path: Path, parsed: tuple[dict[str, Any] | None, Problem | None]) -> Problem | None:
         """Verify sizes and sha256 with the files split across ranks; the first problem any rank found, or None."""
         manifest, problem = parsed
         if manifest is None:
@@ -205,14 +312,14 @@ class Checkpointer:
         if not self.enabled or self.cfg.interval <= 0 or step % self.cfg.interval:
             self._raise_if_failed()
             return False
-        self.save(step, app_state)
-        return True
+        return self.save(step, app_state)
 
     def finish(self, step: int, app_state: Stateful) -> None:
-        """Save the last step unless it was just saved, then wait for every async save to commit."""
+        """Save the last step unless it was just saved (or just skipped for space), then wait for every async save
+        to commit."""
         if not self.enabled:
             return
-        if step > 0 and self.last_saved_step != step:
+        if step > 0 and step not in (self.last_saved_step, self._last_skipped_step):
             self.save(step, app_state)
         self.wait()
         if self._executor is not None:
@@ -229,18 +336,68 @@ class Checkpointer:
         if self._pending is not None and self._pending.future.done() and self._pending.future.exception():
             self.wait()
 
-    def save(self, step: int, app_state: Stateful) -> None:
+    def _state_bytes(self, state: Any) -> tuple[int, dict[str, int]]:
+        """(bytes of this rank's DTensor shards, {key: bytes} of its plain tensors): DCP writes each plain tensor
+        once however many ranks hold it under the same key, so those are counted as a union over ranks."""
+        sharded, plain = 0, {}
+        stack: list[tuple[str, Any]] = [("", state)]
+        while stack:
+            key, value = stack.pop()
+            if isinstance(value, DTensor):
+                local = value.to_local()
+                sharded += local.numel() * local.element_size()
+            elif isinstance(value, torch.Tensor):
+                plain[key] = value.numel() * value.element_size()
+            elif isinstance(value, dict):
+                stack.extend((f"{key}.{k}", v) for k, v in value.items())
+            elif isinstance(value, list | tuple):
+                stack.extend((f"{key}.{i}", v) for i, v in enumerate(value))
+        return sharded, plain
+
+    def _check_space(self, step: int, state: Any) -> SpaceCheck:
+        """One all-gather, so every rank takes the same decision: the least free space any rank sees against the
+        size of the last checkpoint this job committed or resumed (before the first, the state's tensor bytes)."""
+        assert self.root is not None
+        first = self.last_saved_step is None  # the same on every rank
+        views = self._all_gather((_free_bytes(self.root), self._last_total_bytes,
+                                  self._state_bytes(state) if first else None))
+        if views[0][1] is not None:  # rank 0 committed or resumed it
+            estimate = views[0][1]
+        else:
+            plain: dict[str, int] = {}
+            for *_, (_sharded, local_plain) in views:
+                plain.update(local_plain)
+            estimate = sum(v[2][0] for v in views) + sum(plain.values())
+        needed = int(estimate * (1 + SPACE_MARGIN_RATIO)) + SPACE_MARGIN_BYTES
+        free = min(v[0] for v in views)
+        return SpaceCheck(step=step, free_bytes=free, needed_bytes=needed, skipped=free < needed)
+
+    def save(self, step: int, app_state: Stateful) -> bool:
+        """Save `step` unless the checkpoint filesystem lacks the space for it (then warn and return False)."""
         if not self.enabled:
-            return
+            return False
         assert self.root is not None
         self.wait()  # one save in flight at a time; also surfaces a failed async save
         t0 = time.monotonic()
+        state = app_state.state_dict()
+        space = self._check_space(step, state)
+        if self.on_space_check is not None:
+            self.on_space_check(space)
+        if space.skipped:
+            self.skipped_saves += 1
+            self._last_skipped_step = step
+            if self.rank == 0:
+                log.warning(
+                    "skipping the checkpoint of step %d: %s has %.1f MiB free, one checkpoint needs about %.1f MiB "
+                    "(with margin); training goes on, the newest checkpoint stays %s", step, self.root,
+                    space.free_bytes / 2**20, space.needed_bytes / 2**20,
+                    f"step {self.last_saved_step}" if self.last_saved_step is not None else "none")
+            return False
         nonce = self._broadcast(uuid.uuid4().hex[:8] if self.rank == 0 else None)
         tmp = self.root / f"{step_dir_name(step)}.tmp-{nonce}"
         if self.rank == 0:
             tmp.mkdir(parents=True)
         self._broadcast(None)  # the directory exists before any rank writes into it
-        state = app_state.state_dict()
         if self.cfg.async_save:
             assert self._executor is not None
             upload = dcp.async_save(state, checkpoint_id=str(tmp), process_group=self._pg)
@@ -256,6 +413,7 @@ class Checkpointer:
                 "staged, writing in the background" if self.cfg.async_save else "committed",
                 self.last_save_seconds,
             )
+        return True
 
     def _finish_async(self, upload: Any, step: int, tmp: Path) -> None:
         future = getattr(upload, "upload_completion", upload)
@@ -299,23 +457,43 @@ class Checkpointer:
             "total_bytes": sum(f["size"] for f in files.values()),
             "job_config": self.job_config,
         }
-        write_json_durable(tmp / MANIFEST, manifest)
+        write_json_durable(tmp / MANIFEST, sign(manifest, self.key) if self.key is not None else manifest)
         fsync_dir(tmp)
         final = self.root / step_dir_name(step)
         if final.exists():
-            # Only possible after resuming from an older step (the newer one was invalid, or resume named an older
-            # one): this run's history replaces it.
-            log.warning("replacing existing %s with the checkpoint of this run", final)
-            remove_tree(final)
+            # Only after resuming from an older step (resume named one, or the newer ones are signed with another
+            # key) or starting over (resume: never): this run's history replaces a valid one; an invalid one is
+            # evidence and is quarantined instead.
+            existing = verify_checkpoint(final, key=self.key, checksums=False)
+            if existing.valid:
+                log.warning("replacing existing %s with the checkpoint of this run", final)
+                remove_tree(final)
+            else:
+                assert existing.problem is not None
+                log.warning("existing %s is not valid: %s", final, existing.problem)
+                quarantine(final, existing.problem)
         os.rename(tmp, final)
         fsync_dir(self.root)
-        self._prune()
+        self._last_total_bytes = manifest["total_bytes"]
+        self._prune(final)
 
-    def _prune(self) -> None:
+    def _prune(self, committed: Path) -> None:
+        """Keep the newest `keep` valid checkpoints and the one just committed; delete older valid ones. Invalid
+        ones are never counted and never deleted: they are quarantined (those signed with another key are left)."""
         if self.cfg.keep <= 0:
             return
-        committed = list_checkpoints(self.root)  # type: ignore[arg-type]
-        for _step, path in committed[: -self.cfg.keep]:
-            log.info("removing %s (keep: %d)", path.name, self.cfg.keep)
-            with contextlib.suppress(OSError):
-                remove_tree(path)
+        kept = 0
+        for _step, path in reversed(list_checkpoints(self.root)):  # type: ignore[arg-type]
+            info = verify_checkpoint(path, key=self.key, checksums=False)  # sizes: cheap enough for every save
+            if info.problem is not None:
+                if info.problem.reason != "other-key":
+                    log.warning("checkpoint %s is not valid: %s", path, info.problem)
+                    _quarantine(path, info.problem)
+                continue
+            kept += 1
+            if kept > self.cfg.keep and path != committed:
+                log.info("removing %s (keep: %d)", path.name, self.cfg.keep)
+                try:
+                    remove_tree(path)
+                except OSError as exc:
+                    log.warning("could not remove %s: %s", path, exc.strerror)

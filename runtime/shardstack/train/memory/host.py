@@ -19,7 +19,7 @@ def peak_rss_bytes() -> int:
 
 
 def tune_allocator() -> None:
-    """Make glibc return each freed tensor buffer to the OS at once (call it in a process that exports).
+    """Make glibc return each freed tensor buffer to the OS at once (the export and CPU training call it).
 
     glibc raises its mmap threshold every time a large mmapped block is freed, so after the first few tensors
     later ones come from the heap, which does not shrink: the process's peak then creeps up with the model's size

@@ -1,0 +1,210 @@
+"""shardstack_common: the one home of what the roles share — the CUDA repository and its architecture, the hardware
+fact, the OS-variables preamble with its failure on an unsupported OS, and the shared paths and service account."""
+
+from __future__ import annotations
+
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+import yaml
+from ansible_vars import dependencies, load_vars
+
+REPO = Path(__file__).resolve().parents[2]
+ROLES = REPO / "roles"
+UBUNTU = {"distribution": "Ubuntu", "distribution_version": "22.04", "distribution_major_version": "22"}
+ROCKY = {"distribution": "Rocky", "os_family": "RedHat", "distribution_version": "9.4",
+         "distribution_major_version": "9"}
+
+
+@pytest.mark.parametrize(
+    ("facts", "arch", "repo"),
+    [
+        ({}, "x86_64", "debian12/x86_64"),
+        ({"architecture": "aarch64"}, "sbsa", "debian12/sbsa"),
+        (UBUNTU, "x86_64", "ubuntu2204/x86_64"),
+        ({**ROCKY, "architecture": "aarch64"}, "sbsa", "rhel9/sbsa"),
+    ],
+)
+def test_cuda_repository_distro_and_arch(
+    role_eval: Any, debian_container: dict, facts: dict, arch: str, repo: str
+) -> None:
+    r = role_eval("shardstack_common", {**debian_container, **facts})
+    assert r["__shardstack_common_cuda_arch"] == arch
+    assert r["__shardstack_common_cuda_repo"] == f"https://developer.download.nvidia.com/compute/cuda/repos/{repo}"
+    mirror = role_eval("shardstack_common", {**debian_container, **facts}, shardstack_cuda_repo_url="http://mirror/cuda")
+    assert mirror["__shardstack_common_cuda_repo"] == f"http://mirror/cuda/{repo}"
+
+
+def test_hardware_fact_from_the_probe(role_eval: Any, find_result: Any, debian_container: dict) -> None:
+    r = role_eval(
+        "shardstack_common",
+        debian_container,
+        __shardstack_common_pci=find_result("/sys/bus/pci/devices/0000:3b:00.0/vendor"),
+        __shardstack_common_devnodes=find_result("/dev/nvidia0"),
+        __shardstack_common_rdma=find_result(),
+    )
+    assert r["__shardstack_common_hardware"] == {
+        "nvidia_pci_functions": ["/sys/bus/pci/devices/0000:3b:00.0/vendor"],
+        "nvidia_device_nodes": ["/dev/nvidia0"],
+        "rdma_devices": [],
+    }
+
+
+SHARED_DIR_USERS = {  # role: variable -> what it is given shardstack_shared_dir=/data/shared
+    "shared_storage": {"shared_storage_mount_point": "/data/shared"},
+    "training_runtime": {"training_runtime_shared_dir": "/data/shared"},
+    "inference_service": {"inference_service_model_dir": "/data/shared/exports/current"},
+    "prometheus": {"prometheus_checkpoint_mountpoints": ["/data/shared"]},
+}
+ACCOUNT_USERS = {
+    "os_baseline": ("os_baseline_service_user", "os_baseline_service_group"),
+    "shared_storage": ("shared_storage_owner", "shared_storage_group"),
+    "training_runtime": ("training_runtime_user", "training_runtime_group"),
+    "inference_service": ("inference_service_user", "inference_service_group"),
+}
+
+
+@pytest.mark.parametrize("role", sorted(SHARED_DIR_USERS))
+def test_shared_dir_flows_into_the_roles(role_eval: Any, debian_container: dict, role: str) -> None:
+    for name, want in SHARED_DIR_USERS[role].items():
+        default = role_eval(role, debian_container)[name]
+        assert default == (
+            [w.replace("/data/shared", "/srv/shardstack") for w in want]
+            if isinstance(want, list)
+            else want.replace("/data/shared", "/srv/shardstack")
+        )
+        assert role_eval(role, debian_container, shardstack_shared_dir="/data/shared")[name] == want
+    # The role's own variable still wins over the shared one.
+    name = next(iter(SHARED_DIR_USERS[role]))
+    assert role_eval(role, debian_container, shardstack_shared_dir="/data/shared", **{name: "/x"})[name] == "/x"
+
+
+@pytest.mark.parametrize("role", sorted(ACCOUNT_USERS))
+def test_service_account_flows_into_the_roles(role_eval: Any, debian_container: dict, role: str) -> None:
+    user, group = ACCOUNT_USERS[role]
+    r = role_eval(role, debian_container)
+    assert (r[user], r[group]) == ("shardstack", "shardstack")
+    r = role_eval(role, debian_container, shardstack_user="svc", shardstack_group="ml")
+    assert (r[user], r[group]) == ("svc", "ml")
+
+
+def test_mount_unit_follows_the_shared_dir(role_eval: Any, debian_container: dict) -> None:
+    r = role_eval(
+        "shared_storage",
+        debian_container,
+        shardstack_shared_dir="/data/shared",
+        shared_storage_backend="bind",
+        shared_storage_bind_source="/mnt/lab-shared",
+    )
+    assert r["__shared_storage_unit"] == "data-shared.mount"
+    assert "Where=/data/shared" in r.render("shared.mount.j2").splitlines()
+
+
+def _role_text(role: Path) -> str:
+    return "\n".join(p.read_text() for p in sorted(role.rglob("*")) if p.is_file() and p.suffix in {".yml", ".j2"})
+
+
+SHARED_NAMES = set(load_vars(ROLES / "shardstack_common" / "defaults" / "main.yml"))
+
+
+@pytest.mark.parametrize("role", sorted(p.name for p in ROLES.iterdir() if p.name != "shardstack_common"))
+def test_a_role_that_uses_a_shared_variable_depends_on_shardstack_common(role: str) -> None:
+    """Its defaults come from the dependency, so the role also runs on its own (molecule, include_role)."""
+    used = {n for n in SHARED_NAMES if re.search(rf"\b{n}\b", _role_text(ROLES / role))}
+    deps = [d.name for d in dependencies(ROLES / role)]
+    assert not used or "shardstack_common" in deps, f"{role} uses {sorted(used)} without depending on shardstack_common"
+
+
+# Each concern has one home: these snippets appear in the code of roles/shardstack_common only (comments and
+# meta/ descriptions aside), nowhere in another role or in playbooks/.
+ONE_HOME = {
+    "the sbsa architecture expression": "'sbsa'",
+    "the CUDA keyring package": "cuda-keyring",
+    "the CUDA .repo file": "/etc/yum.repos.d/cuda-",
+    "the OS-variables lookup": "first_found",
+    "the NVIDIA PCI probe": 'contains: "^0x10de$"',
+    "the device-node probe": '"^nvidia[0-9]+$"',
+    "the InfiniBand probe": "paths: /sys/class/infiniband",
+    "the shared directory": "/srv/shardstack",
+}
+
+
+def _code_lines(path: Path) -> list[str]:
+    return [line for line in path.read_text().splitlines() if not line.lstrip().startswith("#")]
+
+
+@pytest.mark.parametrize("concern", sorted(ONE_HOME))
+def test_one_home_per_concern(concern: str) -> None:
+    snippet = ONE_HOME[concern]
+    dirs = ("defaults", "handlers", "tasks", "templates", "vars")
+    code = [p for d in dirs for p in ROLES.glob(f"*/{d}/**/*") if p.is_file()] + [*(REPO / "playbooks").glob("*.yml")]
+    homes = sorted(str(p.relative_to(REPO)) for p in code if any(snippet in line for line in _code_lines(p)))
+    assert homes, f"{concern}: {snippet!r} is gone altogether"
+    assert all(h.startswith("roles/shardstack_common/") for h in homes), f"{concern} is copied: {homes}"
+
+
+# --- the task files on a real host (this machine, local connection): read-only probes, no package is installed ---
+
+
+def _play(tmp_path: Path, tasks: list[dict], roles: dict[str, dict[str, str]] | None = None) -> str:
+    """Run one play on localhost with the repository's roles (and `roles`, written under tmp_path) on the path."""
+    for name, files in (roles or {}).items():
+        for rel, text in files.items():
+            (tmp_path / "roles" / name / rel).parent.mkdir(parents=True, exist_ok=True)
+            (tmp_path / "roles" / name / rel).write_text(text)
+    play = [{"name": "Test", "hosts": "localhost", "gather_facts": True, "tasks": tasks}]
+    (tmp_path / "play.yml").write_text(yaml.safe_dump(play, sort_keys=False))
+    env = {
+        **os.environ,
+        "ANSIBLE_CONFIG": str(REPO / "ansible.cfg"),
+        "ANSIBLE_ROLES_PATH": f"{tmp_path / 'roles'}:{ROLES}",
+        "ANSIBLE_CACHE_PLUGIN_CONNECTION": str(tmp_path / "facts"),
+        "ANSIBLE_LOCAL_TEMP": str(tmp_path / "tmp"),
+        "ANSIBLE_NOCOLOR": "1",
+        "ANSIBLE_CALLBACK_RESULT_FORMAT": "json",
+    }
+    proc = subprocess.run(
+        [str(Path(sys.executable).parent / "ansible-playbook"), "-i", "localhost,", "-c", "local",
+         "-e", f"ansible_python_interpreter={sys.executable}", str(tmp_path / "play.yml")],
+        cwd=REPO, env=env, capture_output=True, text=True, timeout=300,
+    )
+    return proc.stdout + proc.stderr
+
+
+WIDGET_MAIN = yaml.safe_dump(
+    [
+        {"name": "OS variables", "ansible.builtin.import_role": {"name": "shardstack_common",
+                                                                 "tasks_from": "os_vars.yml"}},
+        {"name": "Show", "ansible.builtin.debug": {"msg": "widget_os={{ __widget_os }}"}},
+    ]
+)
+
+
+def test_unsupported_os_fails_naming_the_family_and_what_is_supported(tmp_path: Path) -> None:
+    roles = {"widget": {"tasks/main.yml": WIDGET_MAIN, "vars/Plan9.yml": "__widget_os: plan9\n",
+                        "vars/Solaris.yml": "__widget_os: solaris\n", "vars/main.yml": "__widget_x: 1\n"}}
+    out = _play(tmp_path, [{"name": "Widget", "ansible.builtin.include_role": {"name": "widget"}}], roles)
+    assert "failed=1" in out, out
+    msg = re.search(r'"msg": "(widget does not support .*?)"', out)
+    assert msg, out
+    assert re.search(r"\(OS family \w+\): it has variables for Plan9, Solaris only \(roles/widget/vars/;", msg[1])
+    assert "widget_os=" not in out
+
+
+def test_roles_run_alone_probe_the_hardware_once(tmp_path: Path) -> None:
+    """Three gated roles' preflights (read-only; they load their vars/Debian.yml) in one play: the first probes the
+    hardware, the others reuse the fact."""
+    tasks = [
+        {"name": f"{role} preflight", "ansible.builtin.include_role": {"name": role, "tasks_from": "preflight.yml"}}
+        for role in ("rdma", "nccl", "dcgm_exporter")
+    ] + [{"name": "Show", "ansible.builtin.debug": {"msg": "hardware={{ shardstack_hardware | to_json }}"}}]
+    out = _play(tmp_path, tasks)
+    assert "failed=0" in out, out
+    assert out.count("TASK [shardstack_common : Hardware - look for NVIDIA PCI functions") == 1, out
+    assert re.search(r'hardware=\{\\"nvidia_pci_functions\\": \[', out), out
+    assert re.search(r"rdma: (skipped|userspace)", out) and re.search(r"nccl: library", out), out
