@@ -9,8 +9,9 @@ import pytest
 import torch
 from shardstack.cli import main
 from shardstack.model.gpt import GPT, GPTConfig
+from shardstack.model.llama import Llama, LlamaConfig
 from shardstack.train.config import EngineConfig, config_from_dict
-from shardstack.train.memory.estimate import SAVED_PER_BLOCK, estimate, local_elements, zero_partition
+from shardstack.train.memory.estimate import block_widths, estimate, local_elements, zero_partition
 from shardstack.train.parallelize import prepare_blocks
 
 
@@ -67,7 +68,7 @@ def test_activation_checkpointing_accounting():
         ("full", {"activation_checkpointing": "full"}),
         ("every3", {"activation_checkpointing": "every_n", "activation_checkpointing_every": 3}),
         ("every2", {"activation_checkpointing": "every_n", "activation_checkpointing_every": 2})]}
-    assert SAVED_PER_BLOCK == 16
+    assert block_widths(GPTConfig()) == (16, 9)
     assert [acts[k].checkpointed_blocks for k in ("none", "full", "every3", "every2")] == [0, 4, 2, 2]
     assert acts["none"].activations == 4 * 16 * t + head
     assert acts["full"].activations == 4 * t + 15 * t + head  # at the last block's backward
@@ -82,11 +83,9 @@ def test_activation_checkpointing_accounting():
     assert acts["none"].peak > acts["every3"].peak > acts["every2"].peak > acts["full"].peak
 
 
-def _saved_bytes(engine: EngineConfig, cfg: GPTConfig, b: int) -> int:
+def _saved_bytes(engine: EngineConfig, model: GPT | Llama, b: int) -> int:
     """Bytes of the distinct non-parameter storages autograd saves in one forward (outside checkpointed regions,
     whose saves are replaced by recomputation)."""
-    torch.manual_seed(0)
-    model = GPT(cfg)
     prepare_blocks(model.blocks, engine, torch.device("cpu"))
     storages: dict[int, int] = {}
 
@@ -94,24 +93,48 @@ def _saved_bytes(engine: EngineConfig, cfg: GPTConfig, b: int) -> int:
         storages[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
         return t
 
-    x = torch.randint(0, cfg.vocab_size, (b, cfg.seq_len))
+    x = torch.randint(0, model.config.vocab_size, (b, model.config.seq_len))
     with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
         model(x, x)
     params = {p.untyped_storage().data_ptr() for p in model.parameters()}
     return sum(n for ptr, n in storages.items() if ptr not in params)
 
 
+MODELS = {
+    "gpt": lambda n_layer=4: GPT(GPTConfig(n_layer=n_layer, n_head=4, d_model=64, seq_len=32)),
+    "llama-gqa": lambda n_layer=4: Llama(LlamaConfig(n_layer=n_layer, n_head=4, n_kv_head=2, d_model=64, ffn_dim=192,
+                                                     seq_len=32)),
+    "llama": lambda n_layer=4: Llama(LlamaConfig(n_layer=n_layer, n_head=4, n_kv_head=4, d_model=64, ffn_dim=160,
+                                                 seq_len=32)),
+}
+
+
+@pytest.mark.parametrize("arch", list(MODELS))
+def test_block_widths_are_what_autograd_saves(arch):
+    """Per block, the estimator's count of d-wide tensors is what autograd keeps: the difference between 4 and 2
+    blocks. What the formula leaves out: the norms' statistics and the attention's log-sum-exp (2 + n_head floats
+    per token and block, ≤ 2% of a block here)."""
+    torch.manual_seed(0)
+    b = 2
+    two_blocks = _saved_bytes(EngineConfig(), MODELS[arch](2), b)
+    c = MODELS[arch]().config
+    per_block = (_saved_bytes(EngineConfig(), MODELS[arch](4), b) - two_blocks) / 2
+    assert per_block / (b * c.seq_len * c.d_model * 4) == pytest.approx(block_widths(c)[0], rel=0.02)
+
+
+@pytest.mark.parametrize("arch", list(MODELS))
 @pytest.mark.parametrize(("mode", "every", "recomputed"), [("full", None, 4), ("every_n", 2, 2), ("every_n", 3, 2)])
-def test_checkpointing_drops_what_the_estimator_says(mode, every, recomputed):
+def test_checkpointing_drops_what_the_estimator_says(arch, mode, every, recomputed):
     """Autograd really saves less, and by what the estimator counts per block: a recomputed block no longer keeps
-    its 16·b·s·d·e; it keeps its input (b·s·d·e), which checkpoint saves for the recompute."""
-    cfg, b = GPTConfig(n_layer=4, n_head=4, d_model=64, seq_len=32), 2
-    none = _saved_bytes(EngineConfig(), cfg, b)
-    ac = _saved_bytes(EngineConfig(activation_checkpointing=mode, activation_checkpointing_every=every), cfg, b)
-    token = b * cfg.seq_len * cfg.d_model * 4
-    expected_drop = recomputed * (SAVED_PER_BLOCK - 1) * token
-    # What the formula leaves out: LayerNorm's mean and rstd and the attention's log-sum-exp (4 + n_head floats per
-    # token and block, 1.3% of a block here).
+    its saved·b·s·d·e; it keeps its input (b·s·d·e), which checkpoint saves for the recompute."""
+    torch.manual_seed(0)
+    b = 2
+    none = _saved_bytes(EngineConfig(), MODELS[arch](), b)
+    ac = _saved_bytes(EngineConfig(activation_checkpointing=mode, activation_checkpointing_every=every),
+                      MODELS[arch](), b)
+    c = MODELS[arch]().config
+    token = b * c.seq_len * c.d_model * 4
+    expected_drop = recomputed * (block_widths(c)[0] - 1) * token
     assert none - ac == pytest.approx(expected_drop, rel=0.02), (none, ac, expected_drop)
 
 
@@ -162,19 +185,21 @@ def test_fsdp_gradients_build_up_in_backward():
 
 
 def test_init_peak():
-    """Every rank builds the whole model (4E) before wrapping. DDP then broadcasts it through a flattened bucket
-    (≤ 250 MiB) and allocates its gradient buckets (4E: counted at once on CUDA, resident on CPU only once
-    written); fully_shard copies out one unit's shard at a time."""
+    """The model is built on the meta device. DDP stages materialise all of it (4E), then DDP broadcasts it
+    through a flattened bucket (≤ 250 MiB) and allocates its gradient buckets (4E: counted at once on CUDA,
+    resident on CPU only once written). FSDP stages allocate their shards only, filled in chunks of ~1 Mi elements
+    (4 MiB scratch) — or of one tensor, when it is smaller."""
     cpu = {r.stage: r for r in estimate(config_from_dict({**SMALL, "engine": {"device": "cpu"}}), 2)}
     cuda = {r.stage: r for r in estimate(config_from_dict({**SMALL, "engine": {"device": "cuda"}}), 2)}
     four_e = cpu[0].params
     assert cpu[0].init_peak == cpu[1].init_peak == 2 * four_e  # the broadcast bucket holds the whole (small) model
     assert cuda[0].init_peak == 2 * four_e  # max(bucket, gradient buckets): equal here
-    block_shard = 4 * (12 * 128 * 128 + 2 * 128) // 2  # the Linear weights and two LayerNorm weights
-    assert cpu[3].init_peak == cpu[2].init_peak == four_e + block_shard
+    largest = 4 * 128 * 4 * 128  # the MLP's matrices: smaller than one init chunk
+    assert cpu[3].init_peak == cpu[2].init_peak == cpu[3].params + largest
     big = {r.stage: r for r in estimate(config_from_dict({"model": {"size": "gpt-1.3b"}, "engine": {"device": "cuda"}}),
-                                        8, stages=[0])}
+                                        8)}
     assert big[0].init_peak == 2 * big[0].params  # gradient buckets (4E > 250 MiB) counted on CUDA
+    assert big[3].init_peak == big[3].params + 4 * 2**20  # an eighth of the model and one chunk of scratch
     big_cpu = estimate(config_from_dict({"model": {"size": "gpt-1.3b"}, "engine": {"device": "cpu"}}), 8, stages=[0])
     assert big_cpu[0].init_peak == big_cpu[0].params + 250 * 2**20
 

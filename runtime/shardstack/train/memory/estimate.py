@@ -30,13 +30,12 @@ from torch import nn
 
 from shardstack.model.dtypes import to_dtype
 from shardstack.model.factory import build_model
+from shardstack.model.init import CHUNK_ELEMENTS
 from shardstack.train.config import EngineConfig, JobConfig
 from shardstack.train.optim import auto_impl, optimizer_param_groups
 from shardstack.train.parallelize import checkpointed_blocks, shard_units
 
 FP32 = 4
-# d-wide tensors per token a block saves for backward (activation_bytes); tests/runtime checks it against autograd.
-SAVED_PER_BLOCK = 16
 DDP_BROADCAST_BUCKET = 250 * 2**20  # DDP flattens what it broadcasts at construction into buckets of this size
 
 
@@ -56,7 +55,7 @@ class StageEstimate:
     optimizer_temporaries: int  # transient bytes inside optimizer.step
     peak: int  # the highest point of a step once AdamW's state exists: what micro_batch auto must fit
     first_step_peak: int  # the first step's, lower: AdamW's state is created in its optimizer.step
-    init_peak: int  # while the engine is built: the whole model as built on every rank, plus DDP's buffers
+    init_peak: int  # while the engine is built: DDP stages the whole model plus DDP's buffers, FSDP its shards
     offloaded: int  # of `total`, what CPUOffloadPolicy keeps in host memory
     micro_batch: int
     checkpointed_blocks: int  # blocks whose activations are recomputed in backward
@@ -87,19 +86,36 @@ def zero_partition(groups: list[list[torch.Tensor]], world: int) -> list[list[to
     return owned
 
 
+def block_widths(cfg: object) -> tuple[float, float]:
+    """(saved, gradients): what one block keeps for backward and the activation gradients of its backward, in d-wide
+    tensors per token (t = b·s·d·e each). Counted with autograd's saved-tensor hooks on CPU (tests/runtime/
+    test_estimate.py checks both architectures). f = MLP width / d, kv = key/value width / d.
+
+    GPT: the two LayerNorm inputs and their outputs as Linear inputs, the attention output (5), q, k, v (3) and the
+    MLP's two f-wide tensors: 8 + 2·f (16 at f = 4). Llama: the two RMSNorm inputs, their normalised values and
+    outputs, the attention output (7), q, k and v after RoPE (1 + 2·kv) and SwiGLU's four f-wide tensors (gate, its
+    SiLU, up, their product): 8 + 2·kv + 4·f. A model.factory model is counted as the GPT.
+    """
+    d = getattr(cfg, "d_model", 0) or 1
+    ffn = getattr(cfg, "ffn_dim", None)
+    if ffn is not None:  # the Llama family
+        f, kv = ffn / d, getattr(cfg, "n_kv_head", 1) * getattr(cfg, "head_dim", d) / d
+        return 8 + 2 * kv + 4 * f, 1 + 3 * f
+    f = getattr(cfg, "mlp_ratio", 4)
+    return 8 + 2 * f, 1 + 2 * f
+
+
 def activation_bytes(model: nn.Module, micro_batch: int, seq_len: int, compute_bytes: int,
                      checkpointed: Sequence[int] = ()) -> int:
     """The activations' high point in forward/backward for one micro-batch, the `checkpointed` blocks recomputed.
 
-    A block keeps 16·t, t = b·s·d·e (SAVED_PER_BLOCK: this GPT's saved tensors are 8 d-wide ones — the two LayerNorm
-    inputs, their outputs as Linear inputs, the attention output — plus q, k, v and the two 4d-wide MLP tensors); a
-    checkpointed block keeps only its input (t). Backward runs the blocks last to first, each block's tensors freed
-    after it; a checkpointed block first gets back the 15·t beside its input. Backward through a block adds the
-    gradients of its activations, (1 + 2·mlp_ratio)·t (the MLP's two wide ones and the block's output), and the
-    head keeps the logits and, in fp32, their log-softmax and its gradient: b·s·V·(e + 8).
+    A block keeps `saved`·t (block_widths), t = b·s·d·e; a checkpointed block keeps only its input (t). Backward
+    runs the blocks last to first, each block's tensors freed after it; a checkpointed block first gets back the
+    (saved − 1)·t beside its input. Backward through a block adds the gradients of its activations, and the head
+    keeps the logits and, in fp32, their log-softmax and its gradient: b·s·V·(e + 8).
     """
-    n_layer, token, block, logits = _activation_terms(model, micro_batch, seq_len, compute_bytes)
-    saved, recomputed = SAVED_PER_BLOCK * token, set(checkpointed)
+    n_layer, token, saved, block, logits = _activation_terms(model, micro_batch, seq_len, compute_bytes)
+    recomputed = set(checkpointed)
     high = kept = 0
     for i in range(n_layer):  # the blocks' share when backward reaches block i
         kept += token if i in recomputed else saved
@@ -108,13 +124,14 @@ def activation_bytes(model: nn.Module, micro_batch: int, seq_len: int, compute_b
 
 
 def _activation_terms(model: nn.Module, micro_batch: int, seq_len: int, compute_bytes: int) -> tuple[int, ...]:
-    """(layers, one d-wide tensor, one block in backward: its saved tensors and their gradients, the head)."""
+    """(layers, one d-wide tensor, one block's saved tensors, one block in backward: its saved tensors and their
+    gradients, the head)."""
     cfg = getattr(model, "config", None)
     n_layer = getattr(cfg, "n_layer", len(getattr(model, "blocks", [])))
     token = micro_batch * seq_len * getattr(cfg, "d_model", 0) * compute_bytes
-    block = (SAVED_PER_BLOCK + 1 + 2 * getattr(cfg, "mlp_ratio", 4)) * token
+    saved, grads = block_widths(cfg)
     logits = micro_batch * seq_len * getattr(cfg, "vocab_size", 0) * (compute_bytes + 8)
-    return n_layer, token, block, logits
+    return n_layer, token, round(saved * token), round((saved + grads) * token), logits
 
 
 def optimizer_temporaries(groups: list[list[int]], impl: str) -> int:
@@ -146,6 +163,9 @@ def estimate_stage(model: nn.Module, engine: EngineConfig, stage: int, world: in
     units = shard_units(model)
     root_elem = n_elem - sum(p.numel() for u in units for p in u.parameters())
     groups = [g["params"] for g in optimizer_param_groups(model, weight_decay)]
+    # The seeded init draws a tensor's rows in chunks of ~CHUNK_ELEMENTS (at least one row) into a scratch tensor.
+    scratch = FP32 * max((min(p.numel(), max(CHUNK_ELEMENTS, p[0].numel() if p.dim() else 1)) for p in params),
+                         default=0)
     accumulation_grads = 0
     if stage <= 1:
         p_b = g_b = FP32 * n_elem
@@ -161,7 +181,7 @@ def estimate_stage(model: nn.Module, engine: EngineConfig, stage: int, world: in
         # gradient buckets (4E). The CUDA allocator counts those at once; on CPU their pages become resident only
         # when the first backward writes them.
         buckets = FP32 * n_elem if device_type == "cuda" else 0
-        init = FP32 * n_elem + max(min(FP32 * n_elem, DDP_BROADCAST_BUCKET), buckets)
+        init = FP32 * n_elem + max(min(FP32 * n_elem, DDP_BROADCAST_BUCKET), buckets, scratch)
     else:
         shard = sum(local_elements(p, world, rank) for p in params)
         p_b = g_b = FP32 * shard
@@ -176,8 +196,9 @@ def estimate_stage(model: nn.Module, engine: EngineConfig, stage: int, world: in
         working = compute_bytes * n_elem + staging if stage == 2 else late_working
         if accumulation > 1 and engine.accumulation_sync == "last":
             accumulation_grads = FP32 * n_elem
-        # Every rank builds the whole model; fully_shard copies out each unit's shard before freeing its tensors.
-        init = FP32 * (n_elem + max(sum(local_elements(p, world, rank) for p in u.parameters()) for u in units))
+        # Built on the meta device and sharded there: a rank allocates its shards only, then fills them chunk by
+        # chunk (shardstack.model.init).
+        init = p_b + scratch
     total = p_b + g_b + o_b
     offloaded = total if engine.offload == "cpu" else 0
     recomputed = checkpointed_blocks(len(units), engine.activation_checkpointing,
@@ -196,7 +217,7 @@ def estimate_stage(model: nn.Module, engine: EngineConfig, stage: int, world: in
             # As backward frees activations, the sharded gradients build up: with checkpointing (few activations
             # kept) the highest point is the last block's backward, with nearly all gradients reduced.
             fwd_bwd = max(fwd_bwd, g_b + late_working + _activation_terms(model, micro_batch, seq_len,
-                                                                          compute_bytes)[2])
+                                                                          compute_bytes)[3])
         at_step = (g_b if stage >= 2 else 0) + temps
         peak = held + max(fwd_bwd, at_step)
         first = held - o_b + max(fwd_bwd, o_b + at_step)
