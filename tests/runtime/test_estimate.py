@@ -7,7 +7,9 @@ import json
 
 import pytest
 import torch
+import yaml
 from shardstack.cli import main
+from shardstack.cli.estimate import _fmt
 from shardstack.model.gpt import GPT, GPTConfig
 from shardstack.model.llama import Llama, LlamaConfig
 from shardstack.train.config import EngineConfig, config_from_dict
@@ -210,3 +212,22 @@ def test_cli_json(tmp_path, capsys):
     assert main(["estimate", "--config", str(job), "--world-size", "4", "--json", "--stage", "3"]) == 0
     rows = [json.loads(x) for x in capsys.readouterr().out.splitlines()]
     assert [(r["stage"], r["world_size"]) for r in rows] == [(3, 4)]
+
+
+def test_cli_table_shows_the_options(tmp_path, capsys):
+    """The table's header names the checkpointing mode and AdamW's kernels; its activations, AdamW temporaries and
+    peak columns are the estimator's for those options (a Llama here)."""
+    for engine, impl, blocks in [("{}", "foreach", 0), ("{activation_checkpointing: full}", "fused", 4)]:
+        job = tmp_path / "job.yaml"
+        text = ("model: {arch: llama, size: small}\nbatch: {global_batch: 4, micro_batch: 2}\n"
+                f"engine: {engine}\noptimizer: {{impl: {impl}}}\n")
+        job.write_text(text)
+        assert main(["estimate", "--config", str(job), "--world-size", "2", "--stage", "3"]) == 0
+        header, _columns, row = capsys.readouterr().out.splitlines()
+        mode = "full" if blocks else "none"
+        assert f"activation checkpointing {mode} ({blocks} blocks recomputed), AdamW {impl}" in header
+        values = [" ".join(v) for v in zip(*[iter(row.split()[1:])] * 2, strict=True)]  # "12.00 MiB" pairs
+        e = estimate(config_from_dict(yaml.safe_load(text)), 2, stages=[3])[0]
+        assert values[5:8] == [_fmt(e.activations), _fmt(e.optimizer_temporaries), _fmt(e.peak)]
+    none = _one({"model": {"arch": "llama", "size": "small"}, "batch": {"global_batch": 4, "micro_batch": 2}})
+    assert e.activations < none.activations / 2 and e.optimizer_temporaries == 0 < none.optimizer_temporaries
