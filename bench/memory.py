@@ -69,7 +69,8 @@ def worker(args: argparse.Namespace) -> None:
     if args.malloc == "tuned":
         tune_allocator()
     import torch.distributed as dist
-    from shardstack.model.gpt import GPT, GPTConfig
+    from shardstack.model.factory import ModelConfig
+    from shardstack.train.build import build_on_meta
     from shardstack.train.config import EngineConfig, OptimizerConfig
     from shardstack.train.dist import init_distributed, leave_worker, shutdown
     from shardstack.train.engine import build_engine
@@ -77,12 +78,14 @@ def worker(args: argparse.Namespace) -> None:
 
     torch.set_num_threads(1)
     info = init_distributed("auto")
-    mcfg = GPTConfig(n_layer=args.n_layer, n_head=args.n_head, d_model=args.d_model, seq_len=args.seq_len)
+    mcfg = ModelConfig(arch="gpt", n_layer=args.n_layer, n_head=args.n_head, d_model=args.d_model,
+                       seq_len=args.seq_len, vocab_size=256)
     eng_cfg = EngineConfig(stage=args.stage, activation_checkpointing=args.ac, compile=args.compile,
                            activation_checkpointing_every=2 if args.ac == "every_n" else None)
     opt_cfg = OptimizerConfig(impl=args.impl)
 
-    def batch(cfg: GPTConfig, b: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    def batch(cfg: ModelConfig, b: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        assert cfg.vocab_size and cfg.seq_len
         x = torch.randint(0, cfg.vocab_size, (b, cfg.seq_len + 1), generator=torch.Generator().manual_seed(0))
         x = x.to(info.device)
         return [(x[:, :-1].contiguous(), x[:, 1:].contiguous())]
@@ -90,9 +93,9 @@ def worker(args: argparse.Namespace) -> None:
     meter = Meter(info.device)
     meter.zero()
     meter.reset()
-    tiny = GPTConfig(n_layer=1, n_head=1, d_model=8, seq_len=8)
-    with info.device:
-        warm = build_engine(GPT(tiny), eng_cfg, opt_cfg, info)
+    tiny = ModelConfig(arch="gpt", n_layer=1, n_head=1, d_model=8, seq_len=8, vocab_size=256)
+    warm_model, warm_materialize = build_on_meta(tiny, 0)
+    warm = build_engine(warm_model, eng_cfg, opt_cfg, info, materialize=warm_materialize)
     for _ in range(2):
         warm.forward_backward(batch(tiny, 1))
         warm.step()
@@ -104,10 +107,8 @@ def worker(args: argparse.Namespace) -> None:
     peaks: dict[str, int] = {}
     t0 = time.perf_counter()
     meter.reset()
-    torch.manual_seed(0)
-    with info.device:
-        model = GPT(mcfg)
-    engine = build_engine(model, eng_cfg, opt_cfg, info)
+    model, materialize = build_on_meta(mcfg, 0)  # as the trainer builds it: on the meta device, then the shards
+    engine = build_engine(model, eng_cfg, opt_cfg, info, materialize=materialize)
     peaks["init"] = meter.peak()
     for step in (1, 2, 3):
         meter.reset()
@@ -115,7 +116,7 @@ def worker(args: argparse.Namespace) -> None:
         engine.step()
         peaks[f"step{step}"] = meter.peak()
     est = estimate_stage(engine.module, engine.cfg, args.stage, info.world_size, info.rank, weight_decay=0.1,
-                         micro_batch=args.micro_batch, seq_len=mcfg.seq_len, optimizer_impl=args.impl)
+                         micro_batch=args.micro_batch, seq_len=args.seq_len, optimizer_impl=args.impl)
     mine = {"baseline": meter.baseline, "first_use": first_use, "peaks": peaks, "estimate": est}
     rows: list = [None] * info.world_size
     dist.all_gather_object(rows, mine)
