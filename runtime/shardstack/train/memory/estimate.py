@@ -164,8 +164,8 @@ def estimate_stage(model: nn.Module, engine: EngineConfig, stage: int, world: in
     root_elem = n_elem - sum(p.numel() for u in units for p in u.parameters())
     groups = [g["params"] for g in optimizer_param_groups(model, weight_decay)]
     # The seeded init draws a tensor's rows in chunks of ~CHUNK_ELEMENTS (at least one row) into a scratch tensor.
-    scratch = FP32 * max((min(p.numel(), max(CHUNK_ELEMENTS, p[0].numel() if p.dim() else 1)) for p in params),
-                         default=0)
+    # Shapes only: indexing a sharded (DTensor) parameter would be a collective.
+    scratch = FP32 * max((min(p.numel(), max(CHUNK_ELEMENTS, math.prod(p.shape[1:]))) for p in params), default=0)
     accumulation_grads = 0
     if stage <= 1:
         p_b = g_b = FP32 * n_elem
