@@ -203,7 +203,7 @@ def _log_memory(cfg: JobConfig, engine: Engine, micro: int, seq_len: int, accum:
     measured = engine.last_memory or engine.memory_breakdown()
     est = estimate_stage(engine.module, engine.cfg, engine.stage, engine.dist.world_size, engine.dist.rank,
                          weight_decay=cfg.optimizer.weight_decay, micro_batch=micro, seq_len=seq_len,
-                         accumulation=accum)
+                         accumulation=accum, optimizer_impl=cfg.optimizer.impl)
     result.memory_measured = measured
     result.memory_estimated = {"params": est.params, "grads": est.grads, "optimizer": est.optimizer,
                                "total": est.total, "peak": est.peak}
