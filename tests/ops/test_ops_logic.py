@@ -81,3 +81,12 @@ def test_demo_job_is_a_valid_stage3_config() -> None:
     assert job["engine"]["stage"] == 3 and job["schedule"]["total_steps"] == 300
     assert job["checkpoint"]["dir"] == "/srv/shardstack/checkpoints/demo"
     assert job["data"]["path"].startswith("/srv/shardstack/")
+
+
+def test_demo_job_fine_tunes_a_model_on_shared_storage() -> None:
+    model = "/srv/shardstack/pretrained/stdlib-llama-0123456789ab"
+    job = demo_job(60, "/srv/shardstack", init_from=model)
+    assert job["model"]["init_from"] == model and job["data"]["tokenizer"] == model
+    # Data prepared with another tokenizer must not be reused: the directory is named after the model.
+    assert job["data"]["path"] == "/srv/shardstack/data/corpus-stdlib-llama-0123456789ab"
+    assert job["engine"]["stage"] == 3 and job["optimizer"]["lr"] < demo_job(60, "/srv/shardstack")["optimizer"]["lr"]

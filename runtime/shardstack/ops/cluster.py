@@ -18,7 +18,7 @@ from typing import Any
 
 from shardstack.errors import ShardstackError
 from shardstack.ops import train as train_ops
-from shardstack.ops.runner import existing_inventory, project_dir, run_command, tools_on_path
+from shardstack.ops.runner import existing_inventory, project_dir, run_command, run_module, tools_on_path
 
 
 def inventory_hosts(inventory: Path) -> dict[str, Any]:
@@ -158,6 +158,23 @@ def _token(inv: dict[str, Any], inventory: Path) -> str | None:
     name = "inference_service_token_store"
     path = _controller_path(inventory, name, str(hostvars.get(name) or _role_default("inference_service", name)))
     return path.read_text().strip() if path.is_file() else None
+
+
+def place_model(inventory: Path, local_dir: Path, *, become: bool = True) -> str:
+    """Copy a model directory of this machine (e.g. the cached pretrained model) to <shared>/pretrained/<its name>
+    through the first train node, where every node sees it; returns that path. Unchanged files are not copied again
+    (the copy module compares checksums)."""
+    inv = inventory_hosts(inventory)
+    head = group(inv, "train_nodes")[0]
+    dest = f"{shared_dir(inv)}/pretrained/{local_dir.name}"
+    args = (f"src={shlex.quote(str(local_dir) + '/')} dest={shlex.quote(dest + '/')} "
+            "mode=u=rwX,go=rX directory_mode=0755")
+    res = run_module("ansible.builtin.copy", args, inventory, head, become=become)
+    if head not in res or not res[head].success:
+        msg = res[head].message if head in res else "no result"
+        raise ShardstackError(f"copying {local_dir} to {head}:{dest} failed: {msg}",
+                              hint="is the shared storage mounted? shardstack validate")
+    return dest
 
 
 def load_token(inventory: Path) -> str | None:

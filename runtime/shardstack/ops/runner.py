@@ -244,6 +244,21 @@ def run_command(
     """Run one command on every host matching `pattern` (ansible-runner's ad-hoc mode) → per-host results."""
     import shlex
 
+    return run_module("ansible.builtin.command", shlex.join(argv), inventory, pattern, become=become,
+                      artifacts=artifacts, timeout=timeout)
+
+
+def run_module(
+    module: str,
+    module_args: str,
+    inventory: Path,
+    pattern: str,
+    *,
+    become: bool = True,
+    artifacts: Path | None = None,
+    timeout: int | None = None,
+) -> dict[str, CommandResult]:
+    """Run one Ansible module (e.g. ansible.builtin.copy) on every host matching `pattern` → per-host results."""
     import ansible_runner
 
     root = project_dir()
@@ -264,7 +279,7 @@ def run_command(
 
     ansible_runner.run(
         private_data_dir=str(artifacts), host_pattern=pattern, inventory=str(inventory),
-        module="ansible.builtin.command", module_args=shlex.join(argv),
+        module=module, module_args=module_args,
         cmdline="--become" if become else None, timeout=timeout,
         envvars=_ansible_env(root),
         event_handler=handle, quiet=True,

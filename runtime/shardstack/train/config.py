@@ -28,6 +28,9 @@ from shardstack.train.checkpoint.signing import DEFAULT_KEY_FILE
 class DataConfig:
     path: str | None = None  # a directory written by `shardstack data prepare`
     shuffle: bool = True  # a seeded permutation per epoch; False reads windows in order
+    # The tokenizer path is prepared with: bytes, or a directory with tokenizer.json (e.g. init_from's). The cluster's
+    # job task prepares path with it (null: bytes); the trainer refuses data prepared with another one.
+    tokenizer: str | None = None
 
 
 @dataclass

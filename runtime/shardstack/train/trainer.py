@@ -18,6 +18,7 @@ import numpy as np
 import torch
 
 from shardstack.errors import ShardstackError
+from shardstack.model.tokenizer import load_tokenizer
 from shardstack.train.build import build_on_meta
 from shardstack.train.config import JobConfig
 from shardstack.train.data import Batches, GlobalSampler, TokenDataset
@@ -137,6 +138,10 @@ def train(cfg: JobConfig, max_steps: int | None = None, *, out=None) -> TrainRes
     model_vocab = getattr(model.config, "vocab_size", dataset.vocab_size)
     if dataset.vocab_size > model_vocab:
         raise ShardstackError(f"data vocabulary ({dataset.vocab_size}) exceeds model.vocab_size ({model_vocab})")
+    if cfg.data.tokenizer is not None and dataset.meta["tokenizer"] != load_tokenizer(cfg.data.tokenizer).name:
+        raise ShardstackError(f"{cfg.data.path} was prepared with tokenizer {dataset.meta['tokenizer']}, but "
+                              f"data.tokenizer is {cfg.data.tokenizer}",
+                              hint=f"prepare it again: shardstack data prepare --tokenizer {cfg.data.tokenizer}")
     flops_per_token = model.flops_per_token() if hasattr(model, "flops_per_token") else \
         6 * sum(p.numel() for p in model.parameters())
 
