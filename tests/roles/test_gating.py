@@ -379,8 +379,9 @@ def test_rdma_port_check_on_recorded_port_states(
 
 
 def test_one_wheelhouse_per_accelerator_class_among_the_play_hosts(role_eval: Any, debian_container: dict) -> None:
-    """training_runtime's wheelhouse.yml builds each class the play's nodes need once (their preflight facts), skips
-    nodes given a wheelhouse, and gives each node its own class's."""
+    """training_runtime's wheelhouse.yml builds each class the batch's nodes need once (their preflight facts), skips
+    nodes given a wheelhouse, and gives each node its own class's; under `serial`, later batches' nodes (no facts
+    yet) are not looked at."""
     def node(accel: str, src: str = "") -> dict:
         given = {"training_runtime_wheelhouse_src": src} if src else {}
         return {"nvidia_driver_compat": {"accelerator": accel}, **given}
@@ -388,15 +389,20 @@ def test_one_wheelhouse_per_accelerator_class_among_the_play_hosts(role_eval: An
     hostvars = {"gpu1": node("cu130"), "gpu2": node("cu130"), "old": node("cu126", "/srv/wh/cu126"),
                 "cpu1": node("cpu"), "localhost": {}}
     plays = ["gpu1", "gpu2", "old", "cpu1"]
-    r = role_eval("training_runtime", debian_container, hostvars=hostvars, ansible_play_hosts=plays,
+    r = role_eval("training_runtime", debian_container, hostvars=hostvars, ansible_play_batch=plays,
                   inventory_hostname="gpu1", nvidia_driver_compat={"accelerator": "cu130"})
     assert r["__training_runtime_classes_to_build"] == ["cpu", "cu130"]
     built = {"cpu": "/cache/wheelhouse/cpu/abc", "cu130": "/cache/wheelhouse/cu130/abc"}
     hostvars["localhost"] = {"__training_runtime_wheelhouses": built}
-    r = role_eval("training_runtime", debian_container, hostvars=hostvars, ansible_play_hosts=plays,
+    r = role_eval("training_runtime", debian_container, hostvars=hostvars, ansible_play_batch=plays,
                   inventory_hostname="gpu1", nvidia_driver_compat={"accelerator": "cu130"})
     assert r["__training_runtime_classes_to_build"] == []  # inference_service's play: already built this run
     assert r["__training_runtime_wheelhouse_path"] == "/cache/wheelhouse/cu130/abc"
-    cpu = role_eval("training_runtime", debian_container, hostvars=hostvars, ansible_play_hosts=plays,
+    cpu = role_eval("training_runtime", debian_container, hostvars=hostvars, ansible_play_batch=plays,
                     inventory_hostname="cpu1", nvidia_driver_compat={"accelerator": "cpu"})
     assert cpu["__training_runtime_wheelhouse_path"] == "/cache/wheelhouse/cpu/abc"
+    hostvars["later"] = {}  # a rolling upgrade's next batch: compatibility.yml has not run there yet
+    r = role_eval("training_runtime", debian_container, hostvars=hostvars, ansible_play_batch=["cpu1"],
+                  ansible_play_hosts=["cpu1", "later"], inventory_hostname="cpu1",
+                  nvidia_driver_compat={"accelerator": "cpu"})
+    assert r["__training_runtime_classes_to_build"] == []
