@@ -11,7 +11,7 @@ export ANSIBLE_CONFIG := $(abspath ansible.cfg)
 # Heavy artifacts (node image, apt cache) live outside the clone so the next run or clone reuses them.
 export SHARDSTACK_CACHE ?= /var/cache/shardstack
 
-APT_PACKAGES := python3-venv python3-dev debootstrap systemd-container apt-cacher-ng iproute2 openssh-client \
+APT_PACKAGES := python3-venv python3-dev debootstrap systemd-container apt-cacher-ng iproute2 openssh-client nftables \
                 util-linux prometheus prometheus-alertmanager haproxy git
 EXTRAS := train,serve,ops,dev
 STAMP := $(VENV)/.installed-$(shell cat pyproject.toml | sha1sum | cut -c1-12)
