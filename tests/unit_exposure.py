@@ -153,13 +153,20 @@ def systemd_analyze() -> str:
     return tool
 
 
-def score(case: Case, root: Path, roles: Path | None = None) -> Score:
-    files = lay_out(case, root, roles)
+def analyze(root: Path, unit: str, threshold: float) -> tuple[float, bool, str]:
+    """(exposure, within the threshold by systemd-analyze's own exit code, its output) of `unit` under `root`.
+    systemd 252 takes the threshold in tenths (0-100), as it counts the exposure internally."""
     proc = subprocess.run(
         [systemd_analyze(), "security", "--no-pager", "--offline=true", f"--root={root}",
-         f"--threshold={case.threshold}", case.unit],
+         f"--threshold={round(threshold * 10)}", unit],
         capture_output=True, text=True, cwd=root)
     m = re.search(r"Overall exposure level for \S+: (\d+\.\d+)", proc.stdout)
     if not m:
-        raise RuntimeError(f"{case.unit}: no exposure level in systemd-analyze's output:\n{proc.stdout}{proc.stderr}")
-    return Score(case, float(m[1]), proc.returncode == 0, files, proc.stdout + proc.stderr)
+        raise RuntimeError(f"{unit}: no exposure level in systemd-analyze's output:\n{proc.stdout}{proc.stderr}")
+    return float(m[1]), proc.returncode == 0, proc.stdout + proc.stderr
+
+
+def score(case: Case, root: Path, roles: Path | None = None) -> Score:
+    files = lay_out(case, root, roles)
+    exposure, passed, output = analyze(root, case.unit, case.threshold)
+    return Score(case, exposure, passed, files, output)
