@@ -10,6 +10,8 @@ export PATH := $(abspath $(BIN)):$(PATH)
 export ANSIBLE_CONFIG := $(abspath ansible.cfg)
 # Heavy artifacts (node image, apt cache) live outside the clone so the next run or clone reuses them.
 export SHARDSTACK_CACHE ?= /var/cache/shardstack
+DEBIAN_UNITS := $(SHARDSTACK_CACHE)/debian-units
+UNIT_PACKAGES := prometheus-node-exporter prometheus prometheus-alertmanager haproxy
 
 APT_PACKAGES := python3-venv python3-dev debootstrap systemd-container apt-cacher-ng iproute2 openssh-client nftables \
                 util-linux prometheus prometheus-alertmanager haproxy git
@@ -38,9 +40,6 @@ venv: $(STAMP)
 
 # The unit files of the Debian packages the roles install, which tests/ops/test_unit_security.py scores with the
 # roles' drop-ins (the packages themselves are not installed here).
-DEBIAN_UNITS := $(SHARDSTACK_CACHE)/debian-units
-UNIT_PACKAGES := prometheus-node-exporter prometheus prometheus-alertmanager haproxy
-
 $(DEBIAN_UNITS)/.ready:
 	rm -rf $(DEBIAN_UNITS).tmp && mkdir -p $(DEBIAN_UNITS).tmp $(DEBIAN_UNITS)
 	cd $(DEBIAN_UNITS).tmp && apt-get download -qq $(UNIT_PACKAGES) && for d in *.deb; do dpkg-deb -x $$d root; done

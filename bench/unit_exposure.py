@@ -18,7 +18,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
 
-from unit_exposure import CASES, score  # noqa: E402
+from unit_exposure import CASES, score
 
 
 def main() -> int:

@@ -4,9 +4,11 @@ kernel's own parser (`nft -c -f`, as root on the host), and the plan kept in ste
 from __future__ import annotations
 
 import importlib.util
+import os
 import re
 import shutil
 import subprocess
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -66,7 +68,9 @@ def test_defaults_resolve_the_sample_inventory(role_eval: Any, debian_container:
     gpu03 = _rules(role_eval, debian_container, "gpu03")  # an inference node: no rendezvous, no mesh
     assert set(gpu03) == {"ssh/tcp", "inference/tcp", "node_exporter/tcp", "dcgm-exporter/tcp"}
     # ops01 is both the load balancer and the monitoring server: it reaches the backends for both reasons.
-    assert gpu03["inference/tcp"]["ipv4"] == ["192.0.2.31"] and gpu03["inference/tcp"]["ports"] == ["8000"]
+    # ... and the admin networks reach it for /health (rollouts, molecule's verify).
+    assert gpu03["inference/tcp"]["ipv4"] == ["192.0.2.31", "198.51.100.7"]
+    assert gpu03["inference/tcp"]["ports"] == ["8000"]
     ops01 = _rules(role_eval, debian_container, "ops01")
     # Clients default to the admin networks, which default to the controller.
     assert ops01["load balancer/tcp"]["ipv4"] == ops01["grafana/tcp"]["ipv4"] == ["198.51.100.7"]
@@ -215,6 +219,36 @@ def test_plan_fallbacks_equal_the_roles_defaults() -> None:
     assert "validate_rdzv_port | default(29401)" in (REPO / "playbooks" / "validate.yml").read_text()
 
 
+def test_every_cluster_flow_is_admitted(role_eval: Any, debian_container: dict) -> None:
+    """The traffic site.yml's cluster needs, on the sample inventory: every Prometheus scrape (the prometheus role's
+    own job list), HAProxy to its backends, training between train nodes, NFS, and the controller's checks
+    (molecule's default verify and tests/e2e: ssh, /health on the backends, the load balancer, its stats,
+    Prometheus' API)."""
+    facts = debian_container
+    rules = {h: _eval(role_eval, facts, h)["__firewall_rules"] for h in HOSTVARS}
+    addr = {h: hv["ansible_host"] for h, hv in HOSTVARS.items()}
+    prom = yaml.safe_load((ROLES / "prometheus" / "defaults" / "main.yml").read_text())["prometheus_scrape_jobs"]
+    flows = [(src, dst, job["port"], f"scrape {job['name']}") for job in prom for g in job["groups"]
+             for dst in GROUPS[g] for src in GROUPS["monitoring_server"]]
+    flows += [(lb, b, 8000, "haproxy to a backend") for lb in GROUPS["loadbalancer"] for b in GROUPS["inference_nodes"]]
+    flows += [(a, b, p, "training") for a in GROUPS["train_nodes"] for b in GROUPS["train_nodes"] if a != b
+              for p in (29400, 29401, 40123)]
+    flows += [(h, s, 2049, "nfs") for h in HOSTVARS for s in GROUPS["storage_server"] if h != s]
+    controller = CONTROLLER.split()[0]
+    flows += [(controller, h, 22, "ssh") for h in HOSTVARS]
+    flows += [(controller, h, 8000, "verify /health") for h in GROUPS["inference_nodes"]]
+    flows += [(controller, h, p, "verify, e2e") for h in GROUPS["loadbalancer"] for p in (8080, 8404)]
+    flows += [(controller, h, 9090, "e2e queries") for h in GROUPS["monitoring_server"]]
+    refused = [f for f in flows if f[0] != f[1]
+               and not plan.admits(rules[f[1]], addr.get(f[0], f[0]), f[2])]
+    assert not refused, refused
+    assert len(flows) > 30
+    # ... and what the plan keeps out: a train node reaching a backend or an exporter, the controller an exporter.
+    assert plan.admits(rules["gpu03"], addr["gpu01"], 8000) == []
+    assert plan.admits(rules["gpu01"], controller, 9100) == []
+    assert plan.admits(rules["gpu03"], addr["gpu04"], 9100) == []
+
+
 def test_preflight_knows_the_firewall_variables() -> None:
     """site.yml's preflight rejects unknown `<role>_*` variables: the firewall's are known, a typo is not."""
     spec = importlib.util.spec_from_file_location("inv", REPO / "playbooks/filter_plugins/shardstack_inventory.py")
@@ -225,3 +259,110 @@ def test_preflight_knows_the_firewall_variables() -> None:
     assert {"firewall_admin_networks", "firewall_port_plan", "firewall_extra_rules"} <= set(catalog["known"])
     assert inv.unknown_variables(["firewall_admin_network"], catalog) == [
         "firewall_admin_network (did you mean firewall_admin_networks?)"]
+
+
+# --- the ruleset applied for real, in network namespaces ----------------------------------------------------
+
+# Three namespaces joined by veth pairs: `srv` (an inference node, gets the ruleset), `mon` (the monitoring server)
+# and `peer` (a train node, which the plan names as the admin network here). Only namespace addresses are used.
+NETNS_HOSTS = {"srv": "10.250.1.1", "mon": "10.250.1.2", "peer": "10.250.2.2"}
+CONNECT = """
+import socket, sys
+s = socket.socket()
+s.settimeout(float(sys.argv[3]))
+try:
+    s.connect((sys.argv[1], int(sys.argv[2])))
+    print("open")
+except socket.timeout:
+    print("dropped")
+except OSError as e:
+    print(type(e).__name__)
+"""
+LISTEN = """
+import socket, sys, time
+socks = []
+for port in sys.argv[1:]:
+    s = socket.socket()
+    s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    s.bind(("0.0.0.0", int(port)))
+    s.listen(16)
+    socks.append(s)
+print("listening", flush=True)
+time.sleep(120)
+"""
+
+
+def _ip(*args: str) -> None:
+    proc = subprocess.run(["ip", *args], capture_output=True, text=True)
+    assert proc.returncode == 0, f"ip {' '.join(args)}: {proc.stderr}"
+
+
+@pytest.fixture
+def netns() -> Any:
+    """{'srv': name, 'mon': name, 'peer': name}: namespaces named after this process, removed afterwards."""
+    tag = f"ssfw{os.getpid() % 100000}"
+    names = {role: f"{tag}-{role}" for role in NETNS_HOSTS}
+    try:
+        for name in names.values():
+            _ip("netns", "add", name)
+            _ip("-n", name, "link", "set", "lo", "up")
+        for i, other in enumerate(("mon", "peer"), start=1):
+            a, b = f"{tag}s{i}", f"{tag}o{i}"
+            _ip("link", "add", a, "netns", names["srv"], "type", "veth", "peer", "name", b, "netns", names[other])
+            _ip("-n", names["srv"], "addr", "add", f"10.250.{i}.1/24", "dev", a)
+            _ip("-n", names[other], "addr", "add", f"{NETNS_HOSTS[other]}/24", "dev", b)
+            _ip("-n", names["srv"], "link", "set", a, "up")
+            _ip("-n", names[other], "link", "set", b, "up")
+        yield names
+    finally:
+        for name in names.values():
+            subprocess.run(["ip", "netns", "del", name], capture_output=True)
+
+
+def _connect(ns: str, address: str, port: int, timeout: float = 1.5) -> str:
+    proc = subprocess.run(["ip", "netns", "exec", ns, sys.executable, "-c", CONNECT, address, str(port),
+                           str(timeout)], capture_output=True, text=True, timeout=30)
+    return proc.stdout.strip() or proc.stderr
+
+
+def test_ruleset_applied_in_a_namespace_admits_the_plan_and_drops_the_rest(
+        netns: dict[str, str], role_eval: Any, debian_container: dict, tmp_path: Path) -> None:
+    groups = {"all": list(NETNS_HOSTS), "train_nodes": ["peer"], "inference_nodes": ["srv"],
+              "monitoring_server": ["mon"], "loadbalancer": [], "storage_server": []}
+    hostvars = {h: {"ansible_host": a} for h, a in NETNS_HOSTS.items()}
+    ev = role_eval("firewall", debian_container, inventory_hostname="srv", groups=groups, hostvars=hostvars,
+                   ansible_port=2222, firewall_admin_networks=[NETNS_HOSTS["peer"]],
+                   __firewall_ssh_client={"stdout": ""})
+    rules = tmp_path / "shardstack.nft"
+    rules.write_text(ev.render("shardstack.nft.j2"))
+    srv = netns["srv"]
+    for _ in range(2):  # loading twice replaces the table (the reload path), it does not add a second one
+        proc = subprocess.run(["ip", "netns", "exec", srv, "nft", "-f", str(rules)], capture_output=True, text=True)
+        assert proc.returncode == 0, proc.stderr
+    listener = subprocess.Popen(["ip", "netns", "exec", srv, sys.executable, "-c", LISTEN, "2222", "8000", "9100",
+                                 "9999"], stdout=subprocess.PIPE, text=True)
+    try:
+        assert listener.stdout and listener.stdout.readline().strip() == "listening"
+        got = {
+            "mon -> node_exporter": _connect(netns["mon"], NETNS_HOSTS["srv"], 9100),
+            "mon -> inference": _connect(netns["mon"], NETNS_HOSTS["srv"], 8000),
+            "peer -> ssh (admin)": _connect(netns["peer"], "10.250.2.1", 2222),
+            "peer -> node_exporter": _connect(netns["peer"], "10.250.2.1", 9100),
+            "peer -> inference (admin)": _connect(netns["peer"], "10.250.2.1", 8000),
+            "mon -> ssh": _connect(netns["mon"], NETNS_HOSTS["srv"], 2222),
+            "mon -> unplanned port": _connect(netns["mon"], NETNS_HOSTS["srv"], 9999),
+            "srv -> itself over loopback": _connect(srv, "127.0.0.1", 9999),
+        }
+    finally:
+        listener.kill()
+        listener.wait()
+    assert got == {
+        "mon -> node_exporter": "open", "mon -> inference": "open", "peer -> ssh (admin)": "open",
+        "peer -> node_exporter": "dropped", "peer -> inference (admin)": "open", "mon -> ssh": "dropped",
+        "mon -> unplanned port": "dropped", "srv -> itself over loopback": "open",
+    }
+    table = subprocess.run(["ip", "netns", "exec", srv, "nft", "list", "table", "inet", "shardstack"],
+                           capture_output=True, text=True).stdout
+    assert table.count("chain input") == 1
+    dropped = re.search(r'counter packets (\d+) bytes \d+ comment "dropped"', table)
+    assert dropped and int(dropped[1]) >= 3, table
