@@ -9,6 +9,7 @@ import re
 import shutil
 import subprocess
 import sys
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -298,7 +299,7 @@ def _ip(*args: str) -> None:
 
 
 @pytest.fixture
-def netns() -> Any:
+def netns() -> Iterator[dict[str, str]]:
     """{'srv': name, 'mon': name, 'peer': name}: namespaces named after this process, removed afterwards."""
     tag = f"ssfw{os.getpid() % 100000}"
     names = {role: f"{tag}-{role}" for role in NETNS_HOSTS}
