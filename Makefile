@@ -18,7 +18,7 @@ APT_PACKAGES := python3-venv python3-dev debootstrap systemd-container apt-cache
 EXTRAS := train,serve,ops,dev
 STAMP := $(VENV)/.installed-$(shell cat pyproject.toml | sha1sum | cut -c1-12)
 
-.PHONY: help setup apt venv demo test lint unit molecule e2e gpu-check clean
+.PHONY: help setup apt venv demo test lint unit molecule e2e gpu-check pretrained clean
 
 help:
 	@echo "make demo   - set up, boot a 3-node lab, deploy site.yml on it, print a summary"
@@ -26,6 +26,7 @@ help:
 	@echo "make e2e    - the whole cluster on a 3-node lab: deploy, 2-node training, kill a worker, serve (~9 min)"
 	@echo "make molecule - every molecule scenario (default + one per role), MOLECULE_JOBS=$(MOLECULE_JOBS) at a time"
 	@echo "make bench-NAME [ARGS='…'] - run bench/NAME.py with what it needs (e.g. make bench-vs_deepspeed)"
+	@echo "make pretrained - build the demo's pretrained Llama into $(SHARDSTACK_CACHE)/pretrained (tokenizer, data, CPU training, export)"
 	@echo "make gpu-check - on a machine with NVIDIA GPUs: preflight, driver/CUDA/torch, NCCL training, serving (< 10 min)"
 	@echo "make lint | unit | clean"
 
@@ -100,8 +101,18 @@ $(BENCH_DS_VENV)/.ready:
 bench-vs_deepspeed: setup $(BENCH_DS_VENV)/.ready
 	$(BIN)/python bench/vs_deepspeed.py --ds-python $(BENCH_DS_VENV)/bin/python $(ARGS)
 
+# The Flask + gunicorn side of the comparison is no shardstack dependency: the `bench` extra, installed here.
+bench-serve_vs_transformers: setup
+	$(BIN)/python -c 'import flask, gunicorn, transformers' 2>/dev/null || $(BIN)/pip install -q -e ".[$(EXTRAS),bench]"
+	$(BIN)/python bench/serve_vs_transformers.py $(ARGS)
+
 bench-%: setup
 	$(BIN)/python bench/$*.py $(ARGS)
+
+# The demo's pretrained model, built with the project's own commands into $(SHARDSTACK_CACHE)/pretrained (reused while
+# the recipe in shardstack/ops/pretrained.py and the corpus are unchanged; `make demo` builds it when missing).
+pretrained: setup
+	$(BIN)/shardstack pretrained $(ARGS)
 
 # The GPU path on this machine (bench/gpu_selftest.py): JSON lines, non-zero if a GPU check fails; without NVIDIA
 # hardware only its CPU part runs. Needs only python3-venv, not the lab's packages.

@@ -13,11 +13,15 @@ from typing import Any
 
 import yaml
 from ansible.parsing.dataloader import DataLoader
-from ansible.plugins.loader import init_plugin_loader
+from ansible.plugins.loader import add_all_plugin_dirs, init_plugin_loader
 from ansible.template import Templar, trust_as_template
 
-# Lookups in role variables and templates (fileglob, file) resolve as they do in a play.
+# Lookups in role variables and templates (fileglob, file) resolve as they do in a play, and so do the filters a
+# play sees: the roles' own filter_plugins/ and those next to the playbooks (shardstack_accelerator).
 init_plugin_loader()
+REPO = Path(__file__).resolve().parent.parent
+for _dir in [REPO / "playbooks", *sorted((REPO / "roles").iterdir())]:
+    add_all_plugin_dirs(str(_dir))
 
 
 def trusted(value: Any) -> Any:
@@ -54,7 +58,7 @@ def load_vars(path: Path) -> dict[str, Any]:
     return {**layered, **_read(path)}
 
 
-ROLES = Path(__file__).resolve().parent.parent / "roles"
+ROLES = REPO / "roles"
 
 
 class RoleEval:

@@ -87,7 +87,7 @@ def test_a_changed_port_moves_its_rule(role_eval: Any, debian_container: dict) -
     rules = _rules(role_eval, debian_container, "ops01", loadbalancer_port=9080, prometheus_port=19090,
                    shared_storage_backend="bind",
                    prometheus_alertmanager_cluster_listen_address="0.0.0.0:9494")
-    assert rules["load balancer/tcp"]["ports"] == ["9080"] and rules["prometheus/tcp"]["ports"] == ["19090"]
+    assert rules["load balancer/tcp"]["ports"] == ["443", "9080"] and rules["prometheus/tcp"]["ports"] == ["19090"]
     assert rules["alertmanager cluster/tcp"]["ports"] == rules["alertmanager cluster/udp"]["ports"] == ["9494"]
     store = _rules(role_eval, debian_container, "store01", shared_storage_backend="bind")
     assert "nfs/tcp" not in store
@@ -183,6 +183,7 @@ def test_firewall_unit_loads_and_reloads_the_file(role_eval: Any, debian_contain
 NOT_A_LISTENER = {
     "loadbalancer_backend_port": "the port HAProxy connects to on the backends (the inference rule's port)",
     "rdma_verify_ports": "a switch (check InfiniBand port states), not a network port",
+    "rdma_required_ports": "how many InfiniBand/RoCE ports must be Active, not a network port",
 }
 PLAN_TEXT = (ROLES / "firewall" / "defaults" / "main.yml").read_text()
 
@@ -206,7 +207,7 @@ def test_every_role_port_is_in_the_plan() -> None:
 
 
 def test_plan_fallbacks_equal_the_roles_defaults() -> None:
-    """`{{ loadbalancer_port | default(8080) }}` must say what the loadbalancer role says, or the firewall opens
+    """`{{ loadbalancer_port | default(80) }}` must say what the loadbalancer role says, or the firewall opens
     another port than the service listens on whenever the role is not in the same play."""
     defaults = {k: v for d in _role_defaults().values() for k, v in d.items()}
     refs = re.findall(r"\{\{\s*(\w+)\s*\|\s*default\(([^)]*)\)", PLAN_TEXT)
@@ -238,7 +239,7 @@ def test_every_cluster_flow_is_admitted(role_eval: Any, debian_container: dict) 
     controller = CONTROLLER.split()[0]
     flows += [(controller, h, 22, "ssh") for h in HOSTVARS]
     flows += [(controller, h, 8000, "verify /health") for h in GROUPS["inference_nodes"]]
-    flows += [(controller, h, p, "verify, e2e") for h in GROUPS["loadbalancer"] for p in (8080, 8404)]
+    flows += [(controller, h, p, "verify, e2e") for h in GROUPS["loadbalancer"] for p in (80, 443, 8404, 8405)]
     flows += [(controller, h, 9090, "e2e queries") for h in GROUPS["monitoring_server"]]
     refused = [f for f in flows if f[0] != f[1]
                and not plan.admits(rules[f[1]], addr.get(f[0], f[0]), f[2])]
