@@ -17,16 +17,13 @@ import asyncio
 import contextlib
 import json
 import os
-import signal
-import subprocess
 import sys
 import tempfile
-import time
 from pathlib import Path
 
 import httpx
-from _launch import machine
-from serve_load import Result, _cpu_seconds, _free_port, _print, run_load, spawned_service
+from _launch import free_port, machine, service
+from serve_load import Result, _cpu_seconds, _print, run_load, spawned_service
 
 # The guide's recipe, as an operator would write it: load once per worker, one `generate` per request.
 FLASK_APP = '''
@@ -67,32 +64,22 @@ def completions():
 
 @contextlib.contextmanager
 def flask_under_gunicorn(model: Path, workers: int, threads: int):
-    port = _free_port()
+    port = free_port()
+    url = f"http://127.0.0.1:{port}"
+    ready: set[int] = set()  # each worker loads the model itself: wait until every one has answered
+
+    def all_healthy() -> bool:
+        with contextlib.suppress(httpx.HTTPError, ValueError, KeyError):
+            ready.add(httpx.get(url + "/health", timeout=1).json()["pid"])
+        return len(ready) >= workers
+
     with tempfile.TemporaryDirectory(prefix="bench-flask-") as tmp:
         (Path(tmp) / "app.py").write_text(FLASK_APP)
         env = {**os.environ, "BENCH_MODEL_DIR": str(model), "BENCH_THREADS": str(threads)}
         cmd = [sys.executable, "-m", "gunicorn", "--workers", str(workers), "--bind", f"127.0.0.1:{port}",
                "--chdir", tmp, "--timeout", "300", "--log-level", "warning", "app:app"]
-        proc = subprocess.Popen(cmd, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
-        url = f"http://127.0.0.1:{port}"
-        try:
-            deadline = time.monotonic() + 300
-            ready: set[int] = set()  # each worker loads the model itself: wait until every one has answered
-            while len(ready) < workers and time.monotonic() < deadline:
-                if proc.poll() is not None:
-                    raise SystemExit(f"gunicorn exited with {proc.returncode}:\n{proc.stderr.read()}")
-                with contextlib.suppress(httpx.HTTPError):
-                    ready.add(httpx.get(url + "/health", timeout=1).json()["pid"])
-                time.sleep(0.1)
-            if len(ready) < workers:
-                raise SystemExit(f"{len(ready)} of {workers} Flask workers became healthy in 300 s")
-            yield url, proc.pid
-        finally:
-            proc.send_signal(signal.SIGTERM)
-            try:
-                proc.wait(60)
-            except subprocess.TimeoutExpired:
-                proc.kill()
+        with service(cmd, all_healthy, timeout=300, what=f"gunicorn ({workers} Flask workers)", env=env) as pid:
+            yield url, pid
 
 
 def _tree_cpu_seconds(pid: int) -> float:

@@ -3,15 +3,13 @@ certificates with the loadbalancer role's own module, into files named as the ro
 
 from __future__ import annotations
 
-import importlib.util
-import sys
 from pathlib import Path
 from types import ModuleType
 from typing import Any
 
 from ansible.parsing.dataloader import DataLoader
 from ansible.template import Templar, trust_as_template
-from ansible_vars import load_vars, trusted
+from ansible_vars import load_module, load_vars, trusted
 
 REPO = Path(__file__).resolve().parents[2]
 ROLES = REPO / "roles"
@@ -35,13 +33,7 @@ def role_value(role: str, expression: str, **variables: Any) -> Any:
 
 def certificate_module() -> ModuleType:
     """roles/loadbalancer/library/cluster_certificate.py, imported as the module Ansible runs."""
-    path = ROLES / "loadbalancer" / "library" / "cluster_certificate.py"
-    spec = importlib.util.spec_from_file_location("cluster_certificate", path)
-    assert spec and spec.loader
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module  # dataclasses look their module up while the class is built
-    spec.loader.exec_module(module)
-    return module
+    return load_module(ROLES / "loadbalancer" / "library" / "cluster_certificate.py")
 
 
 def store_files(store: Path, host: str) -> dict[str, Path]:

@@ -4,7 +4,6 @@ fact, the OS-variables preamble with its failure on an unsupported OS, and the s
 from __future__ import annotations
 
 import base64
-import importlib.util
 import os
 import re
 import subprocess
@@ -14,7 +13,7 @@ from typing import Any
 
 import pytest
 import yaml
-from ansible_vars import dependencies, load_vars
+from ansible_vars import dependencies, load_module, load_vars
 
 REPO = Path(__file__).resolve().parents[2]
 ROLES = REPO / "roles"
@@ -43,12 +42,7 @@ def test_cuda_repository_distro_and_arch(
 
 
 def _filters() -> Any:
-    path = ROLES / "shardstack_common" / "filter_plugins" / "shardstack_common.py"
-    spec = importlib.util.spec_from_file_location("shardstack_common_filters", path)
-    assert spec and spec.loader
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
+    return load_module(ROLES / "shardstack_common" / "filter_plugins" / "shardstack_common.py")
 
 
 # The probe (tasks/hardware.yml) on an HGX H100 node: 8 GPUs (3D controllers), 4 NVSwitches (bridge, other), the

@@ -184,14 +184,21 @@ AUTH = {"Authorization": f"Bearer {TOKEN}"}
 JSON = {**AUTH, "Content-Type": "application/json"}
 
 
-@pytest.fixture(scope="session")
-def svc(model_dir: Path) -> Iterator[Service]:
+@contextlib.contextmanager
+def _authenticated_service(model: Path, *args: str) -> Iterator[Service]:
+    """The service the API tests share: bearer token, bounded tokens, body and concurrency."""
     with tempfile.TemporaryDirectory(prefix="ss-") as tmp:
         token_file = Path(tmp) / "token"
         token_file.write_text(TOKEN + "\n")
-        with running_service(model_dir, Path(tmp), "--token-file", str(token_file), "--max-tokens", "64",
-                             "--max-body-bytes", "65536", "--max-concurrency", "8") as s:
+        with running_service(model, Path(tmp), "--token-file", str(token_file), "--max-tokens", "64",
+                             "--max-body-bytes", "65536", "--max-concurrency", "8", *args) as s:
             yield s
+
+
+@pytest.fixture(scope="session")
+def svc(model_dir: Path) -> Iterator[Service]:
+    with _authenticated_service(model_dir) as s:
+        yield s
 
 
 @pytest.fixture(scope="session")
@@ -203,12 +210,8 @@ def client(svc: Service) -> Iterator[httpx.Client]:
 @pytest.fixture(scope="session")
 def bpe_svc(bpe_model_dir: Path) -> Iterator[Service]:
     """The same service over the BPE Llama (also named "small", so the fuzz test's requests fit either)."""
-    with tempfile.TemporaryDirectory(prefix="ss-") as tmp:
-        token_file = Path(tmp) / "token"
-        token_file.write_text(TOKEN + "\n")
-        with running_service(bpe_model_dir, Path(tmp), "--token-file", str(token_file), "--max-tokens", "64",
-                             "--max-body-bytes", "65536", "--max-concurrency", "8", "--model-name", "small") as s:
-            yield s
+    with _authenticated_service(bpe_model_dir, "--model-name", "small") as s:
+        yield s
 
 
 @pytest.fixture(scope="session")
