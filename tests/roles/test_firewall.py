@@ -3,7 +3,6 @@ kernel's own parser (`nft -c -f`, as root on the host), and the plan kept in ste
 
 from __future__ import annotations
 
-import importlib.util
 import os
 import re
 import shutil
@@ -16,6 +15,7 @@ from typing import Any
 import pytest
 import yaml
 from ansible.plugins.loader import filter_loader
+from ansible_vars import load_module
 
 REPO = Path(__file__).resolve().parents[2]
 ROLES = REPO / "roles"
@@ -23,10 +23,7 @@ FILTERS = ROLES / "firewall" / "filter_plugins"
 # The role's filters, for RoleEval's Templar as for a play.
 filter_loader.add_directory(str(FILTERS))
 
-_spec = importlib.util.spec_from_file_location("firewall_plan", FILTERS / "firewall_plan.py")
-assert _spec and _spec.loader
-plan = importlib.util.module_from_spec(_spec)
-_spec.loader.exec_module(plan)
+plan = load_module(FILTERS / "firewall_plan.py")
 
 SAMPLE = yaml.safe_load((REPO / "inventory" / "sample" / "hosts.yml").read_text())["all"]
 
@@ -253,10 +250,7 @@ def test_every_cluster_flow_is_admitted(role_eval: Any, debian_container: dict) 
 
 def test_preflight_knows_the_firewall_variables() -> None:
     """site.yml's preflight rejects unknown `<role>_*` variables: the firewall's are known, a typo is not."""
-    spec = importlib.util.spec_from_file_location("inv", REPO / "playbooks/filter_plugins/shardstack_inventory.py")
-    assert spec and spec.loader
-    inv = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(inv)
+    inv = load_module(REPO / "playbooks/filter_plugins/shardstack_inventory.py")
     catalog = inv.known_variables(str(REPO))
     assert {"firewall_admin_networks", "firewall_port_plan", "firewall_extra_rules"} <= set(catalog["known"])
     assert inv.unknown_variables(["firewall_admin_network"], catalog) == [
