@@ -10,8 +10,10 @@ export PATH := $(abspath $(BIN)):$(PATH)
 export ANSIBLE_CONFIG := $(abspath ansible.cfg)
 # Heavy artifacts (node image, apt cache) live outside the clone so the next run or clone reuses them.
 export SHARDSTACK_CACHE ?= /var/cache/shardstack
+DEBIAN_UNITS := $(SHARDSTACK_CACHE)/debian-units
+UNIT_PACKAGES := prometheus-node-exporter prometheus prometheus-alertmanager haproxy
 
-APT_PACKAGES := python3-venv python3-dev debootstrap systemd-container apt-cacher-ng iproute2 openssh-client \
+APT_PACKAGES := python3-venv python3-dev debootstrap systemd-container apt-cacher-ng iproute2 openssh-client nftables \
                 util-linux prometheus prometheus-alertmanager haproxy git
 EXTRAS := train,serve,ops,dev
 STAMP := $(VENV)/.installed-$(shell cat pyproject.toml | sha1sum | cut -c1-12)
@@ -28,7 +30,7 @@ help:
 	@echo "make gpu-check - on a machine with NVIDIA GPUs: preflight, driver/CUDA/torch, NCCL training, serving (< 10 min)"
 	@echo "make lint | unit | clean"
 
-setup: apt venv
+setup: apt venv $(DEBIAN_UNITS)/.ready
 
 apt:
 	@missing=""; for p in $(APT_PACKAGES); do dpkg-query -W -f='$${Status}' $$p 2>/dev/null | grep -q "ok installed" || missing="$$missing $$p"; done; \
@@ -36,6 +38,14 @@ apt:
 	  DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends $$missing >/dev/null; fi
 
 venv: $(STAMP)
+
+# The unit files of the Debian packages the roles install, which tests/ops/test_unit_security.py scores with the
+# roles' drop-ins (the packages themselves are not installed here).
+$(DEBIAN_UNITS)/.ready:
+	rm -rf $(DEBIAN_UNITS).tmp && mkdir -p $(DEBIAN_UNITS).tmp $(DEBIAN_UNITS)
+	cd $(DEBIAN_UNITS).tmp && apt-get download -qq $(UNIT_PACKAGES) && for d in *.deb; do dpkg-deb -x $$d root; done
+	find $(DEBIAN_UNITS).tmp/root -path '*/systemd/system/*.service' -exec cp {} $(DEBIAN_UNITS)/ \;
+	rm -rf $(DEBIAN_UNITS).tmp && touch $@
 
 $(STAMP): pyproject.toml
 	test -x $(BIN)/python || python3 -m venv $(VENV)

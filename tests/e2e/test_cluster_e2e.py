@@ -5,8 +5,8 @@ systemd unit, one worker killed mid-run and the job resuming from its last check
 export, the inference tier serving the trained model through HAProxy over HTTPS (verified against the cluster CA);
 validate with no finding; one backend stopped under steady load and a rolling upgrade to another checkpoint under
 load, each with zero failed client requests and every backend's /info reporting the new step; a hung engine killed
-by systemd's watchdog and serving again; and, after all of it, no secret in any ansible-runner artifact or molecule
-file.
+by systemd's watchdog and serving again; the firewall dropping what its port plan does not name; and, after all of
+it, no secret in any ansible-runner artifact or molecule file.
 
 Takes ~7–9 min on the idle 2-core host (site.yml's first run, mostly torch going into two venvs, ~3 min; its
 re-run under a minute) and up to 40 min under load. It runs with SHARDSTACK_E2E=1 (`make e2e`, a step of
@@ -323,6 +323,43 @@ def test_a_hung_engine_is_killed_by_the_watchdog_and_serves_again(lab3: Cluster)
     print(f"\n{victim}: engine hung, killed by the watchdog after {waited:.0f}s (client saw "
           f"{hung.stdout.strip() or 'no error'}), NRestarts {restarts} -> {after}; then {[a.status for a in answers]}")
     assert all(a.status == 200 for a in answers)
+
+
+# Prints 'open', 'refused' or 'dropped' (no answer in 3 s) for a TCP connection to argv[1]:argv[2].
+_PROBE = ("import socket, sys\ntry:\n    socket.create_connection((sys.argv[1], int(sys.argv[2])), timeout=3).close()\n"
+          "    print('open')\nexcept ConnectionRefusedError:\n    print('refused')\nexcept TimeoutError:\n"
+          "    print('dropped')\n")
+
+
+def _connect(inventory: Path, src: str | None, addr: str, port: int) -> str:
+    """_PROBE from lab node `src`, or from the controller when src is None."""
+    argv = ["python3", "-c", _PROBE, addr, str(port)]
+    if src is None:
+        return subprocess.run(argv, capture_output=True, text=True, check=True).stdout.strip()
+    res = run_command(argv, inventory, src)[src]
+    assert res.success, res
+    return res.stdout.strip()
+
+
+def test_the_firewall_admits_the_plan_and_drops_the_rest(lab3: Cluster) -> None:
+    """The port plan on the running cluster: node_exporter (9100) answers the Prometheus host and drops every other
+    node and the controller; a backend's inference port answers the load balancer and drops a train node."""
+    inv = lab3.inv
+    groups = inv["groups"]
+    mon = groups["monitoring_server"][0]
+    target, outsider = [h for h in groups["all"] if h != mon][:2]
+    addr = cluster.address(inv, target)
+    assert _connect(lab3.inventory, mon, addr, 9100) == "open"
+    assert _connect(lab3.inventory, outsider, addr, 9100) == "dropped"
+    assert _connect(lab3.inventory, None, addr, 9100) == "dropped"
+    backend = groups["inference_nodes"][-1]
+    train_only = next(h for h in groups["train_nodes"] if h not in groups["loadbalancer"] and h != backend)
+    lb = groups["loadbalancer"][0]
+    backend_addr = cluster.address(inv, backend)
+    assert _connect(lab3.inventory, lb, backend_addr, 8000) == "open"
+    assert _connect(lab3.inventory, train_only, backend_addr, 8000) == "dropped"
+    print(f"\nfirewall: {target}:9100 open to {mon}, dropped from {outsider} and the controller; "
+          f"{backend}:8000 open to {lb}, dropped from {train_only}")
 
 
 def _secrets(credentials: Path) -> dict[str, str]:
