@@ -21,7 +21,8 @@ def _fmt(n: int) -> str:
 def register(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("estimate", help="predict per-rank memory for each ZeRO stage")
     p.add_argument("--config", required=True, help="job.yaml")
-    p.add_argument("--world-size", type=int, default=None, help="data-parallel ranks (default: WORLD_SIZE or 1)")
+    p.add_argument("--world-size", type=int, default=None,
+                   help="ranks (default: WORLD_SIZE or 1); with engine.tensor_parallel K, K × the data-parallel ranks")
     p.add_argument("--stage", type=int, choices=[0, 1, 2, 3], action="append", help="only these stages")
     p.add_argument("--json", action="store_true", help="one JSON object per stage")
     p.set_defaults(func=_cmd_estimate)
@@ -41,7 +42,9 @@ def _cmd_estimate(args: argparse.Namespace) -> int:
             print(json.dumps(asdict(r)))
         return 0
     first = results[0]
-    print(f"per-rank memory, world size {world}, precision {cfg.engine.precision}, offload {cfg.engine.offload}, "
+    tp = cfg.engine.tensor_parallel
+    mesh = f" = {world // tp} (dp) × {tp} (tp)" if tp > 1 else ""
+    print(f"per-rank memory, world size {world}{mesh}, precision {cfg.engine.precision}, offload {cfg.engine.offload}, "
           f"micro-batch {first.micro_batch}, activation checkpointing {cfg.engine.activation_checkpointing} "
           f"({first.checkpointed_blocks} blocks recomputed), AdamW {first.optimizer_impl} (formulas: docs/runtime.md)")
     cols = ("params", "grads", "optimizer", "= state", "working", "activations", "opt. temp", "peak", "first step",

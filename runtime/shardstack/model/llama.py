@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import asdict, dataclass, fields
+from typing import ClassVar
 
 import torch
 import torch.nn.functional as F
@@ -129,9 +130,11 @@ class Attention(nn.Module):
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                 cache: LayerCache | None = None) -> torch.Tensor:
         b, t, _ = x.shape
-        q = self.q_proj(x).view(b, t, self.n_head, self.head_dim).transpose(1, 2)
-        k = self.k_proj(x).view(b, t, self.n_kv_head, self.head_dim).transpose(1, 2)
-        v = self.v_proj(x).view(b, t, self.n_kv_head, self.head_dim).transpose(1, 2)
+        # Head counts come from the projections' outputs: under tensor parallelism a rank holds n_head / K query
+        # and n_kv_head / K key/value heads (whole heads, each GQA group with its key/value head).
+        q = self.q_proj(x).view(b, t, -1, self.head_dim).transpose(1, 2)
+        k = self.k_proj(x).view(b, t, -1, self.head_dim).transpose(1, 2)
+        v = self.v_proj(x).view(b, t, -1, self.head_dim).transpose(1, 2)
         q, k = q * cos + rotate_half(q) * sin, k * cos + rotate_half(k) * sin
         gqa = self.n_kv_head != self.n_head  # SDPA shares each key/value head among its group of query heads
         if cache is None:
@@ -154,6 +157,13 @@ class MLP(nn.Module):
 
 
 class Block(nn.Module):
+    # Tensor parallelism (shardstack.train.parallelize): Megatron's split. The column-sharded projections give each
+    # rank whole heads and a slice of the SwiGLU width; the row-sharded o_proj and down_proj sum the partial
+    # outputs (one all-reduce each), so everything between blocks stays replicated.
+    TP_PLAN: ClassVar[dict[str, str]] = {
+        "attn.q_proj": "colwise", "attn.k_proj": "colwise", "attn.v_proj": "colwise", "attn.o_proj": "rowwise",
+        "mlp.gate_proj": "colwise", "mlp.up_proj": "colwise", "mlp.down_proj": "rowwise"}
+
     def __init__(self, config: LlamaConfig) -> None:
         super().__init__()
         self.attn_norm = nn.RMSNorm(config.d_model, eps=config.norm_eps)

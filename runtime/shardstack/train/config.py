@@ -20,7 +20,7 @@ from typing import Any, Literal
 import yaml
 
 from shardstack.errors import ShardstackError
-from shardstack.model.factory import ModelConfig, check_model_config
+from shardstack.model.factory import ModelConfig, arch_config, check_model_config, model_arch
 from shardstack.train.checkpoint.signing import DEFAULT_KEY_FILE
 
 
@@ -47,6 +47,9 @@ class EngineConfig:
     activation_checkpointing: Literal["none", "full", "every_n"] = "none"
     activation_checkpointing_every: int | None = None  # N for every_n (required there, ≥ 2: every 1 block is full)
     compile: bool = False  # torch.compile (inductor) each block before it is wrapped
+    # K > 1: a (world/K) × K mesh ("dp", "tp"); each block's attention heads and MLP columns split over the K ranks
+    # of a "tp" group (torch tensor parallel), FSDP2 shards over "dp". Llama, stages 2/3 only (docs/runtime.md).
+    tensor_parallel: int = 1
 
 
 @dataclass
@@ -140,6 +143,7 @@ _CHECKS: dict[str, tuple[typing.Callable[[Any], bool], str]] = {
     "engine.reshard_group": (lambda v: v is None or v >= 1, "an integer ≥ 1 or null"),
     "engine.bucket_mb": (lambda v: v > 0, "a number > 0"),
     "engine.activation_checkpointing_every": (lambda v: v is None or v >= 2, "an integer ≥ 2 or null"),
+    "engine.tensor_parallel": (lambda v: v >= 1, "an integer ≥ 1"),
     "optimizer.lr": (lambda v: v > 0, "a number > 0"),
     "optimizer.betas": (lambda v: len(v) == 2 and all(0 <= b < 1 for b in v), "two numbers in [0, 1)"),
     "optimizer.eps": (lambda v: v > 0, "a number > 0"),
@@ -263,11 +267,45 @@ def _cross_checks(cfg: JobConfig) -> None:
             f"config key 'engine.activation_checkpointing_every' applies to activation_checkpointing 'every_n', "
             f"not {cfg.engine.activation_checkpointing!r}",
             hint="set engine.activation_checkpointing: every_n, or remove activation_checkpointing_every")
+    if cfg.engine.tensor_parallel > 1:
+        _check_tensor_parallel(cfg)
     if cfg.schedule.warmup_steps > cfg.schedule.total_steps:
         raise ShardstackError(
             f"config key 'schedule.warmup_steps' ({cfg.schedule.warmup_steps}) exceeds schedule.total_steps "
             f"({cfg.schedule.total_steps})"
         )
+
+
+def _check_tensor_parallel(cfg: JobConfig) -> None:
+    """What engine.tensor_parallel combines with; the world size is checked when the mesh is built (dist.py)."""
+    k, eng = cfg.engine.tensor_parallel, cfg.engine
+    key = f"config key 'engine.tensor_parallel' is {k}"
+    # Each limit below is a combination the tests do not cover, refused rather than left to misbehave.
+    if eng.stage < 2:
+        raise ShardstackError(f"{key} but engine.stage is {eng.stage}",
+                              hint="tensor parallelism composes with FSDP2 only: use engine.stage 2 or 3")
+    for name, on in (("offload", eng.offload != "none"), ("reshard_group", eng.reshard_group is not None),
+                     ("compile", eng.compile)):
+        if on:
+            raise ShardstackError(f"{key}, which does not combine with engine.{name}",
+                                  hint=f"unset engine.{name}, or set engine.tensor_parallel: 1")
+    if cfg.batch.micro_batch == "auto":
+        raise ShardstackError(f"{key}, which does not combine with batch.micro_batch 'auto'",
+                              hint="set batch.micro_batch to a number (`shardstack estimate` helps to pick it)")
+    if cfg.model.factory is not None or model_arch(cfg.model) != "llama":
+        raise ShardstackError(
+            f"{key}, but the model is {'model.factory' if cfg.model.factory else 'arch ' + model_arch(cfg.model)}",
+            hint="tensor parallelism splits the Llama family's separate q/k/v projections across ranks (the GPT's "
+                 "fused qkv projection cannot be split by heads); use model.arch: llama")
+    if cfg.model.init_from is not None:
+        return  # its config.json is read on the cluster; parallelize() checks the heads there
+    shape = arch_config(cfg.model)
+    for name in ("n_head", "n_kv_head"):
+        n = getattr(shape, name)
+        if n % k:
+            raise ShardstackError(f"{key}, but model.{name} ({n}) is not divisible by it",
+                                  hint="each tensor-parallel rank computes n_head / K query and n_kv_head / K "
+                                       "key/value heads: pick K dividing both")
 
 
 def config_from_dict(data: dict[str, Any] | None) -> JobConfig:

@@ -37,9 +37,23 @@ class DistInfo:
     def is_main(self) -> bool:
         return self.rank == 0
 
-    def mesh(self) -> DeviceMesh:
-        """A 1-D mesh over all ranks (FSDP2's data-parallel dimension)."""
-        return init_device_mesh(self.device.type, (self.world_size,))
+    def dp(self, tp: int = 1) -> tuple[int, int]:
+        """(this rank's data-parallel index, the data-parallel size) with `tp`-way tensor parallelism: the "dp"
+        coordinate and size of mesh(tp), whose ranks are laid out row-major (the K ranks of a "tp" group are
+        consecutive, so on one node with K GPUs or fewer they share NVLink). All ranks of a "tp" group read the same
+        batch."""
+        if self.world_size % tp:
+            raise ShardstackError(
+                f"config key 'engine.tensor_parallel' is {tp}, but the world size ({self.world_size}) is not "
+                "divisible by it", hint="start a multiple of engine.tensor_parallel ranks")
+        return self.rank // tp, self.world_size // tp
+
+    def mesh(self, tp: int = 1) -> DeviceMesh:
+        """A 1-D mesh over all ranks (FSDP2's data-parallel dimension), or with `tp` > 1 a 2-D ("dp", "tp") one."""
+        _, dp = self.dp(tp)
+        if tp == 1:
+            return init_device_mesh(self.device.type, (self.world_size,))
+        return init_device_mesh(self.device.type, (dp, tp), mesh_dim_names=("dp", "tp"))
 
 
 def _pick_device(prefer: str, local_rank: int) -> tuple[torch.device, str, str]:

@@ -18,7 +18,8 @@ are always the mean over the global batch. Accumulation sync (`engine.accumulati
            More communication, and FSDP2 never holds more than one block's unsharded gradient.
 Clipping uses the L2 norm over all gradients of all ranks: for DTensor gradients the per-shard norms are combined
 by DTensor's own reduction, so every rank scales by the same global coefficient (a local-only norm fails the
-parity test).
+parity test). With tensor parallelism (engine.tensor_parallel) the loss is the same on the ranks of a "tp" group;
+averaged over all ranks it is still the global-batch mean.
 """
 
 from __future__ import annotations
@@ -131,12 +132,23 @@ class Engine:
 
     def clip_grad_norm(self, max_norm: float) -> float:
         params = [p for p in self.module.parameters() if p.grad is not None]
-        total = torch.nn.utils.get_total_norm([p.grad for p in params], norm_type=2.0)
-        if isinstance(total, DTensor):
-            # DTensor's norm reduces the squared shard norms across ranks (torch 2.13 already returns it
+        # Tensor parallelism leaves two meshes (2-D for the split projections, "dp" for the rest), and DTensor
+        # cannot stack norms across meshes: one norm per mesh, combined here.
+        by_mesh: dict[Any, list[nn.Parameter]] = {}
+        for p in params:
+            by_mesh.setdefault(p.grad.device_mesh if isinstance(p.grad, DTensor) else None, []).append(p)
+        norms = []
+        for group in by_mesh.values():
+            norm = torch.nn.utils.get_total_norm([p.grad for p in group], norm_type=2.0)
+            # DTensor's norm reduces the squared shard norms across the mesh's ranks (torch 2.13 already returns it
             # Replicate; full_tensor() makes the reduction explicit should a version leave it Partial).
-            total = total.full_tensor()
-        torch.nn.utils.clip_grads_with_norm_(params, max_norm, total)
+            norms.append(norm.full_tensor() if isinstance(norm, DTensor) else norm)
+        if len(norms) != 1:
+            total = torch.linalg.vector_norm(torch.stack(norms)) if norms else torch.zeros((), device=self.dist.device)
+        else:
+            total = norms[0]
+        for group in by_mesh.values():
+            torch.nn.utils.clip_grads_with_norm_(group, max_norm, total)
         return float(total)
 
     def step(self, *, measure: bool = False) -> StepStats:

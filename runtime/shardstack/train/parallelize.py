@@ -2,7 +2,8 @@
 
 One transformer block is one FSDP unit; the root unit holds embeddings, final norm and the (tied) head. Activation
 checkpointing and torch.compile apply per block, before any wrapping (as torchtitan orders them), so FSDP2's and
-DDP's hooks stay outside the checkpointed and compiled region.
+DDP's hooks stay outside the checkpointed and compiled region. With engine.tensor_parallel K, each block's projections
+are split over the "tp" dimension of a 2-D mesh first, then FSDP2 shards over "dp" (torchtitan's order).
 """
 
 from __future__ import annotations
@@ -12,7 +13,9 @@ from collections.abc import Sequence
 
 import torch
 from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy, fully_shard
+from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
 from torch.nn.parallel import DistributedDataParallel as DDP
 from torch.utils.checkpoint import checkpoint
 
@@ -88,6 +91,28 @@ def prepare_blocks(blocks: Sequence[nn.Module], engine_cfg: EngineConfig, device
             block.forward = forward
 
 
+def apply_tensor_parallel(model: nn.Module, tp_mesh: DeviceMesh) -> None:
+    """Split each block's projections over `tp_mesh` as the block's TP_PLAN says (column- or row-wise), in place.
+
+    Only the blocks are split; embeddings, norms and the head stay replicated across the "tp" ranks, whose inputs
+    are identical. The styles return plain local tensors, so the block's own code runs unchanged on its heads.
+    """
+    k = tp_mesh.size()
+    cfg = getattr(model, "config", None)
+    for name in ("n_head", "n_kv_head"):
+        n = getattr(cfg, name, None)
+        if n is not None and n % k:  # a model from init_from, whose shape the config loader did not see
+            raise ShardstackError(f"config key 'engine.tensor_parallel' is {k}, but the model's {name} ({n}) is "
+                                  "not divisible by it")
+    styles = {"colwise": ColwiseParallel, "rowwise": RowwiseParallel}
+    for block in shard_units(model):
+        plan = getattr(block, "TP_PLAN", None)
+        if not plan:
+            raise ShardstackError(f"{type(block).__name__} has no TP_PLAN: engine.tensor_parallel needs one",
+                                  hint="the Llama family supports tensor parallelism; set engine.tensor_parallel: 1")
+        parallelize_module(block, tp_mesh, {path: styles[style]() for path, style in plan.items()})
+
+
 def parallelize(model: nn.Module, engine_cfg: EngineConfig, dist_info: DistInfo) -> nn.Module:
     """Wrap `model` for `engine_cfg.stage`: a DDP wrapper for stages 0/1 (the model, initialised identically on every
     rank, moves to the device), or the model itself, sharded in place by FSDP2, for 2/3 (still on the meta device
@@ -102,7 +127,11 @@ def parallelize(model: nn.Module, engine_cfg: EngineConfig, dist_info: DistInfo)
             bucket_cap_mb=engine_cfg.bucket_mb,
             gradient_as_bucket_view=True,  # grads are views into the buckets: no second copy of every gradient
         )
-    mesh = dist_info.mesh()
+    tp = engine_cfg.tensor_parallel
+    mesh = dist_info.mesh(tp)
+    if tp > 1:
+        apply_tensor_parallel(model, mesh["tp"])
+        mesh = mesh["dp"]  # FSDP2 shards the (TP-sharded) parameters over the data-parallel ranks only
     compute = to_dtype(engine_cfg.precision)
     mp = MixedPrecisionPolicy(param_dtype=compute, reduce_dtype=torch.float32) if compute != torch.float32 \
         else MixedPrecisionPolicy()

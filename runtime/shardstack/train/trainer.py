@@ -91,9 +91,11 @@ class TrainResult:
 
 
 def resolve_batch(cfg: JobConfig, world: int, micro: int) -> int:
+    """Accumulation steps for `world` data-parallel ranks (with tensor parallelism: world size / K)."""
     per_rank, rem = divmod(cfg.batch.global_batch, world)
     if rem:
-        raise ShardstackError(f"batch.global_batch ({cfg.batch.global_batch}) is not divisible by the world size "
+        what = "world size" if cfg.engine.tensor_parallel == 1 else "data-parallel size (world / tensor_parallel)"
+        raise ShardstackError(f"batch.global_batch ({cfg.batch.global_batch}) is not divisible by the {what} "
                               f"({world})")
     if per_rank % micro:
         raise ShardstackError(f"batch.micro_batch ({micro}) does not divide the per-rank batch ({per_rank})",
@@ -124,6 +126,8 @@ def train(cfg: JobConfig, max_steps: int | None = None, *, out=None) -> TrainRes
         # FSDP frees and re-allocates every block's gathered weights each step; glibc's adaptive mmap threshold would
         # keep those buffers in a heap that never shrinks, and the RSS would creep past what the shards need.
         tune_allocator()
+    # The ranks of one tensor-parallel group compute one data-parallel rank's step together: same batch, same draws.
+    dp_rank, dp_size = info.dp(cfg.engine.tensor_parallel)
     random.seed(cfg.seed)
     np.random.seed(cfg.seed)
     # No rank ever holds the whole model: build on meta, shard, then materialise the local shards (build_engine).
@@ -150,11 +154,11 @@ def train(cfg: JobConfig, max_steps: int | None = None, *, out=None) -> TrainRes
         micro = find_micro_batch(cfg, engine, seq_len, model_vocab)
     else:
         micro = cfg.batch.micro_batch
-    accum = resolve_batch(cfg, info.world_size, micro)
-    torch.manual_seed(cfg.seed + info.rank)  # per-rank streams from here on (dropout)
+    accum = resolve_batch(cfg, dp_size, micro)
+    torch.manual_seed(cfg.seed + dp_rank)  # per-data-parallel-rank streams from here on (dropout)
 
-    sampler = GlobalSampler(len(dataset), global_batch=cfg.batch.global_batch, world_size=info.world_size,
-                            rank=info.rank, seed=cfg.seed, shuffle=cfg.data.shuffle)
+    sampler = GlobalSampler(len(dataset), global_batch=cfg.batch.global_batch, world_size=dp_size,
+                            rank=dp_rank, seed=cfg.seed, shuffle=cfg.data.shuffle)
     batches = Batches(dataset, sampler, micro, info.device)
     scheduler = make_scheduler(engine.optimizer, cfg.schedule)
     state = TrainState(engine, scheduler, sampler)
@@ -170,10 +174,12 @@ def train(cfg: JobConfig, max_steps: int | None = None, *, out=None) -> TrainRes
     if ckpt:
         ckpt.on_space_check = lambda c: metrics.checkpoint_space(free_bytes=c.free_bytes, skipped=c.skipped)
     if info.is_main:
-        log.info("stage %d, precision %s, offload %s, global batch %d = micro %d × accumulation %d × world %d; "
+        log.info("stage %d, precision %s, offload %s, global batch %d = micro %d × accumulation %d × dp %d; "
                  "steps %d→%d; MFU against %.1f TFLOP/s per device (%s)", engine.stage, cfg.engine.precision,
-                 cfg.engine.offload, cfg.batch.global_batch, micro, accum, info.world_size, start, end, metrics.peak,
+                 cfg.engine.offload, cfg.batch.global_batch, micro, accum, dp_size, start, end, metrics.peak,
                  metrics.peak_source)
+        if cfg.engine.tensor_parallel > 1:
+            log.info("tensor parallel: a %d (dp) × %d (tp) mesh", dp_size, cfg.engine.tensor_parallel)
     result = TrainResult(start_step=start, final_step=start, micro_batch=micro, accumulation=accum)
     rates: list[float] = []
     try:

@@ -9,6 +9,11 @@ working set, activations and optimizer temporaries of a step. The formulas (docs
                                                        (its greedy largest-first partition, reproduced here)
   stage 2/3 params 4·Σ shard_r   grads 4·Σ shard_r    AdamW 8·Σ shard_r + 4T
 
+Tensor parallelism (engine.tensor_parallel K, stages 2/3): the projections a block's TP_PLAN splits hold 1/K of
+their columns (colwise: dim 0, rowwise: dim 1; torch.chunk sizes at the rank's "tp" coordinate) before FSDP2
+splits dim 0 over the N/K "dp" ranks; the other tensors are split over the N/K "dp" ranks only. The working
+parameters and the activations inside a block's attention and MLP shrink by K as well (block_widths).
+
 Master params, gradients and states stay fp32 under every precision (bf16/fp16 only change the compute copies).
 Forward/backward adds the working parameters (stage 2: every block unsharded in the compute dtype from forward to
 backward; stage 3: (1 + prefetch) blocks plus the root), with accumulation_sync "last" on FSDP2 unsharded fp32
@@ -28,6 +33,7 @@ from dataclasses import asdict, dataclass
 import torch
 from torch import nn
 
+from shardstack.errors import ShardstackError
 from shardstack.model.dtypes import to_dtype
 from shardstack.model.factory import build_model
 from shardstack.model.init import CHUNK_ELEMENTS
@@ -86,7 +92,7 @@ def zero_partition(groups: list[list[torch.Tensor]], world: int) -> list[list[to
     return owned
 
 
-def block_widths(cfg: object) -> tuple[float, float]:
+def block_widths(cfg: object, tp: int = 1) -> tuple[float, float]:
     """(saved, gradients): what one block keeps for backward and the activation gradients of its backward, in d-wide
     tensors per token (t = b·s·d·e each). Counted with autograd's saved-tensor hooks on CPU (tests/runtime/
     test_estimate.py checks both architectures). f = MLP width / d, kv = key/value width / d.
@@ -95,18 +101,21 @@ def block_widths(cfg: object) -> tuple[float, float]:
     MLP's two f-wide tensors: 8 + 2·f (16 at f = 4). Llama: the two RMSNorm inputs, their normalised values and
     outputs, the attention output (7), q, k and v after RoPE (1 + 2·kv) and SwiGLU's four f-wide tensors (gate, its
     SiLU, up, their product): 8 + 2·kv + 4·f. A model.factory model is counted as the GPT.
+
+    With `tp`-way tensor parallelism (Llama only) a rank keeps its heads' attention output, q, k, v and its slice of
+    the SwiGLU tensors: 6 + (2 + 2·kv + 4·f) / tp saved, 1 + 3·f / tp gradients; the norms' tensors stay whole.
     """
     d = getattr(cfg, "d_model", 0) or 1
     ffn = getattr(cfg, "ffn_dim", None)
     if ffn is not None:  # the Llama family
         f, kv = ffn / d, getattr(cfg, "n_kv_head", 1) * getattr(cfg, "head_dim", d) / d
-        return 8 + 2 * kv + 4 * f, 1 + 3 * f
+        return 6 + (2 + 2 * kv + 4 * f) / tp, 1 + 3 * f / tp
     f = getattr(cfg, "mlp_ratio", 4)
     return 8 + 2 * f, 1 + 2 * f
 
 
 def activation_bytes(model: nn.Module, micro_batch: int, seq_len: int, compute_bytes: int,
-                     checkpointed: Sequence[int] = ()) -> int:
+                     checkpointed: Sequence[int] = (), tp: int = 1) -> int:
     """The activations' high point in forward/backward for one micro-batch, the `checkpointed` blocks recomputed.
 
     A block keeps `saved`·t (block_widths), t = b·s·d·e; a checkpointed block keeps only its input (t). Backward
@@ -114,7 +123,7 @@ def activation_bytes(model: nn.Module, micro_batch: int, seq_len: int, compute_b
     (saved − 1)·t beside its input. Backward through a block adds the gradients of its activations, and the head
     keeps the logits and, in fp32, their log-softmax and its gradient: b·s·V·(e + 8).
     """
-    n_layer, token, saved, block, logits = _activation_terms(model, micro_batch, seq_len, compute_bytes)
+    n_layer, token, saved, block, logits = _activation_terms(model, micro_batch, seq_len, compute_bytes, tp)
     recomputed = set(checkpointed)
     high = kept = 0
     for i in range(n_layer):  # the blocks' share when backward reaches block i
@@ -123,15 +132,27 @@ def activation_bytes(model: nn.Module, micro_batch: int, seq_len: int, compute_b
     return high + block - saved + logits
 
 
-def _activation_terms(model: nn.Module, micro_batch: int, seq_len: int, compute_bytes: int) -> tuple[int, ...]:
+def _activation_terms(model: nn.Module, micro_batch: int, seq_len: int, compute_bytes: int,
+                      tp: int = 1) -> tuple[int, ...]:
     """(layers, one d-wide tensor, one block's saved tensors, one block in backward: its saved tensors and their
     gradients, the head)."""
     cfg = getattr(model, "config", None)
     n_layer = getattr(cfg, "n_layer", len(getattr(model, "blocks", [])))
     token = micro_batch * seq_len * getattr(cfg, "d_model", 0) * compute_bytes
-    saved, grads = block_widths(cfg)
+    saved, grads = block_widths(cfg, tp)
     logits = micro_batch * seq_len * getattr(cfg, "vocab_size", 0) * (compute_bytes + 8)
     return n_layer, token, round(saved * token), round((saved + grads) * token), logits
+
+
+def tp_split_dims(model: nn.Module) -> dict[int, int]:
+    """id(parameter) → the dim tensor parallelism splits it on, from each block's TP_PLAN (a rowwise bias is whole)."""
+    dims: dict[int, int] = {}
+    for unit in shard_units(model):
+        for path, style in getattr(unit, "TP_PLAN", {}).items():
+            for name, p in unit.get_submodule(path).named_parameters(recurse=False):
+                if style == "colwise" or name == "weight":
+                    dims[id(p)] = 0 if style == "colwise" else 1
+    return dims
 
 
 def optimizer_temporaries(groups: list[list[int]], impl: str) -> int:
@@ -152,7 +173,12 @@ def estimate_stage(model: nn.Module, engine: EngineConfig, stage: int, world: in
                    weight_decay: float, micro_batch: int, seq_len: int, accumulation: int = 1,
                    optimizer_impl: str = "auto", device_type: str | None = None) -> StageEstimate:
     """One rank's bytes at `stage`. `device_type` is where the model trains (default: where its parameters are);
-    `optimizer_impl` "auto" resolves as make_optimizer does."""
+    `optimizer_impl` "auto" resolves as make_optimizer does. `world` counts all ranks; with
+    engine.tensor_parallel K, rank r is "dp" rank r // K and "tp" rank r % K (DistInfo.dp)."""
+    tp = engine.tensor_parallel
+    if tp > 1 and (stage < 2 or world % tp):
+        raise ShardstackError(f"engine.tensor_parallel {tp} needs engine.stage 2 or 3 and a world size divisible by "
+                              f"it (stage {stage}, world size {world})")
     params = [p for p in model.parameters() if p.requires_grad]
     device_type = device_type or (params[0].device.type if params else "cpu")
     # Offloaded parameters live on the host, and so does their optimizer step.
@@ -183,19 +209,31 @@ def estimate_stage(model: nn.Module, engine: EngineConfig, stage: int, world: in
         buckets = FP32 * n_elem if device_type == "cuda" else 0
         init = FP32 * n_elem + max(min(FP32 * n_elem, DDP_BROADCAST_BUCKET), buckets, scratch)
     else:
-        shard = sum(local_elements(p, world, rank) for p in params)
+        split = tp_split_dims(model) if tp > 1 else {}
+
+        def tp_local(p: torch.Tensor) -> torch.Tensor:  # shape only: this "tp" rank's part of `p`, on meta
+            shape = list(p.shape)
+            if id(p) in split:
+                shape[split[id(p)]] = _chunk_rows(shape[split[id(p)]], tp, rank % tp)
+            return torch.empty(shape, device="meta")
+
+        def local(p: torch.Tensor) -> int:
+            return local_elements(tp_local(p), world // tp, rank // tp)
+
+        shard = sum(local(p) for p in params)
         p_b = g_b = FP32 * shard
         o_b = 2 * FP32 * shard + FP32 * n_tensors
-        local_groups = [[local_elements(p, world, rank) for p in g] for g in groups]
-        block_elem = max(sum(p.numel() for p in u.parameters()) for u in units)
+        local_groups = [[local(p) for p in g] for g in groups]
+        tp_elem = sum(tp_local(p).numel() for p in params)  # unsharded over "dp": what FSDP2 gathers
+        block_elem = max(sum(tp_local(p).numel() for p in u.parameters()) for u in units)
         # Backward holds a block's unsharded gradients (or the fp32 reduce-scatter input copied from them) until
         # they are reduced, and reshards each block then, at either stage: late in backward only the root and
         # (1 + prefetch) blocks are gathered — stage 3's working set all along.
         staging = FP32 * block_elem
         late_working = compute_bytes * (root_elem + min(len(units), 1 + engine.prefetch) * block_elem) + staging
-        working = compute_bytes * n_elem + staging if stage == 2 else late_working
+        working = compute_bytes * tp_elem + staging if stage == 2 else late_working
         if accumulation > 1 and engine.accumulation_sync == "last":
-            accumulation_grads = FP32 * n_elem
+            accumulation_grads = FP32 * tp_elem
         # Built on the meta device and sharded there: a rank allocates its shards only, then fills them chunk by
         # chunk (shardstack.model.init).
         init = p_b + scratch
@@ -203,7 +241,7 @@ def estimate_stage(model: nn.Module, engine: EngineConfig, stage: int, world: in
     offloaded = total if engine.offload == "cpu" else 0
     recomputed = checkpointed_blocks(len(units), engine.activation_checkpointing,
                                      engine.activation_checkpointing_every)
-    act = activation_bytes(model, micro_batch, seq_len, compute_bytes, recomputed)
+    act = activation_bytes(model, micro_batch, seq_len, compute_bytes, recomputed, tp)
     temps = optimizer_temporaries(local_groups, impl)
     fwd_bwd = working + accumulation_grads + act  # at the start of backward
     if offloaded:  # the host holds the state and runs the step; the device sees forward/backward only
@@ -217,7 +255,7 @@ def estimate_stage(model: nn.Module, engine: EngineConfig, stage: int, world: in
             # As backward frees activations, the sharded gradients build up: with checkpointing (few activations
             # kept) the highest point is the last block's backward, with nearly all gradients reduced.
             fwd_bwd = max(fwd_bwd, g_b + late_working + _activation_terms(model, micro_batch, seq_len,
-                                                                          compute_bytes)[3])
+                                                                          compute_bytes, tp)[3])
         at_step = (g_b if stage >= 2 else 0) + temps
         peak = held + max(fwd_bwd, at_step)
         first = held - o_b + max(fwd_bwd, o_b + at_step)
@@ -238,10 +276,17 @@ def estimate(cfg: JobConfig, world: int, *, stages: list[int] | None = None, ran
     with torch.device("meta"):
         model = build_model(cfg.model)
     seq_len = model.config.seq_len if hasattr(model, "config") else 0
+    tp = cfg.engine.tensor_parallel
+    if world % tp:
+        raise ShardstackError(f"config key 'engine.tensor_parallel' is {tp}, but the world size ({world}) is not "
+                              "divisible by it")
     mb = micro_batch or (cfg.batch.micro_batch if isinstance(cfg.batch.micro_batch, int) else 1)
-    accum = max(1, cfg.batch.global_batch // (mb * world))
+    accum = max(1, cfg.batch.global_batch // (mb * (world // tp)))
     out = []
-    for stage in stages if stages is not None else [0, 1, 2, 3]:
+    for stage in stages if stages is not None else [0, 1, 2, 3] if tp == 1 else [2, 3]:
+        if stage < 2 and tp > 1:
+            raise ShardstackError(f"stage {stage} does not combine with engine.tensor_parallel {tp}",
+                                  hint="tensor parallelism composes with FSDP2: stages 2 and 3")
         eng = EngineConfig(**{**asdict(cfg.engine), "stage": stage,
                               "offload": cfg.engine.offload if stage >= 2 else "none"})
         ranks = [rank] if rank is not None else range(world)
