@@ -106,3 +106,19 @@ def test_mode_follows_journald(tmp_path: Path) -> None:
         assert resolve_mode("auto", str(sock), {"JOURNAL_STREAM": "8:123"}) == "journal"
         assert resolve_mode("auto", str(sock), {}) == "off"  # stdout not journald's: not run by systemd
         assert resolve_mode("off", str(sock), {"JOURNAL_STREAM": "8:123"}) == "off"
+
+
+def test_bare_access_log_is_a_line_in_the_log_output(model_dir: Path, workdir: Path) -> None:
+    """Not under systemd: `--access-log` alone writes the MESSAGE line to the log output, without the token."""
+    token_file = workdir / "token"
+    token_file.write_text(TOKEN + "\n")
+    with running_service(model_dir, workdir, "--token-file", str(token_file), "--access-log") as svc:
+        r = httpx.post(svc.url + "/v1/completions", headers=JSON, json={"prompt": PROMPT, "max_tokens": 2})
+        assert r.status_code == 200
+        line = '"POST /v1/completions" 200 '
+        deadline = time.monotonic() + 10
+        while line not in svc.log() and time.monotonic() < deadline:
+            time.sleep(0.05)
+        [entry] = [x for x in svc.log().splitlines() if line in x]
+        assert "shardstack.serve.access" in entry and f"id={r.headers['x-request-id']}" in entry
+        assert "tokens=" in entry and TOKEN not in svc.log() and PROMPT not in svc.log()
