@@ -30,9 +30,11 @@ from pathlib import Path
 
 import pytest
 import yaml
+from journal_socket import JournalSocket
 from shardstack.errors import ShardstackError
 from shardstack.ops.cluster import Endpoint, complete
 from shardstack.ops.runner import run_playbook
+from shardstack.serve.accesslog import REQUEST_ID_PATTERN
 from shardstack.serve.protocol import ApiError
 
 from .conftest import REPO, issue, render, store_files
@@ -56,6 +58,7 @@ class Backend(http.server.ThreadingHTTPServer):
     def __init__(self, addr: str, port: int, name: str) -> None:
         self.name, self.health, self.post, self.delay, self.hits = name, 200, 200, 0.0, Counter()
         self.forwarded: list[str | None] = []
+        self.request_ids: list[str | None] = []
         super().__init__((addr, port), _Handler)
         threading.Thread(target=self.serve_forever, daemon=True).start()
 
@@ -80,6 +83,7 @@ class _Handler(http.server.BaseHTTPRequestHandler):
     def do_POST(self) -> None:
         self.rfile.read(int(self.headers.get("Content-Length", 0)))
         self.server.forwarded.append(self.headers.get("X-Forwarded-For"))
+        self.server.request_ids.extend(self.headers.get_all("X-Request-ID") or [None])
         time.sleep(self.server.delay)
         self.server.hits[self.server.post] += 1
         self._send(self.server.post, {"backend": self.server.name, "choices": [{"text": self.server.name}]})
@@ -121,7 +125,9 @@ def running_haproxy(tmp_path: Path, files: dict[str, Path], backends: dict[str, 
     pem = tmp_path / "lb.pem"
     pem.write_text(files["cert"].read_text() + files["key"].read_text())
     pem.chmod(0o600)
-    variables = {"inventory_hostname": "lb", "groups": {"inference_nodes": sorted(backends)},
+    journal = JournalSocket(tmp_path / "journal.sock")  # journald's native socket, for the access log
+    variables = {"loadbalancer_access_log_socket": str(journal.path),
+                 "inventory_hostname": "lb", "groups": {"inference_nodes": sorted(backends)},
                  "hostvars": {name: {"ansible_host": addr} for name, addr in backends.items()},
                  "loadbalancer_bind": "127.0.0.1", "loadbalancer_stats_bind": "127.0.0.1",
                  "loadbalancer_tls_pem": str(pem), "loadbalancer_backend_port": backend_port,
@@ -140,12 +146,13 @@ def running_haproxy(tmp_path: Path, files: dict[str, Path], backends: dict[str, 
           "http": ("127.0.0.1", ports["loadbalancer_port"]),
           "stats": f"https://127.0.0.1:{ports['loadbalancer_stats_port']}/stats",
           "metrics": f"http://127.0.0.1:{ports['loadbalancer_metrics_port']}/metrics",
-          "ports": ports, "cfg": cfg}
+          "ports": ports, "cfg": cfg, "journal": journal}
     try:
         yield lb
     finally:
         proc.terminate()
         proc.wait(timeout=10)
+        journal.close()
 
 
 @pytest.fixture
@@ -187,6 +194,16 @@ def test_rendered_config_is_valid_for_haproxy() -> None:
     # Stats and metrics on the node's cluster address only, never on the clients' wildcard bind.
     assert "bind 10.0.0.1:8404 ssl crt" in cfg and "bind 10.0.0.1:8405\n" in cfg
     assert "option forwardfor" in cfg
+    # The access log: journal fields by default (the drop-in binds the socket into the chroot), or syslog, or off.
+    assert cfg.count("log /run/systemd/journal/socket len 8192 format raw") == 2
+    dropin = render("loadbalancer", "hardening.conf.j2")
+    assert "BindReadOnlyPaths=/run/systemd/journal/socket:/var/lib/haproxy/run/systemd/journal/socket" in dropin
+    for mode, no_log in (("syslog", 0), ("off", 2)):
+        other = render("loadbalancer", "haproxy.cfg.j2", loadbalancer_access_log=mode, inventory_hostname="lb",
+                       groups={"inference_nodes": ["n2"]}, hostvars={"n2": {"ansible_host": "10.0.0.2"}},
+                       __loadbalancer_stats_crypt={"stdout": "$6$x$y"})
+        assert "journal" not in other and other.count("    no log\n") == no_log
+        assert "BindReadOnlyPaths" not in render("loadbalancer", "hardening.conf.j2", loadbalancer_access_log=mode)
 
 
 def test_each_server_gets_what_its_service_admits_unless_set() -> None:
@@ -259,6 +276,45 @@ def test_backends_see_the_clients_address_and_only_that(lb: dict) -> None:
     assert post(lb, {"X-Forwarded-For": "6.6.6.6"})[0] == 200
     forwarded = lb["a"].forwarded + lb["b"].forwarded
     assert forwarded == ["127.0.0.1"]
+
+
+def test_the_access_log_is_journal_fields_without_secrets(lb: dict) -> None:
+    """One datagram per request in journald's native protocol: HAPROXY_* fields, the request id the backend got as
+    X-Request-ID (the inference service's SHARDSTACK_REQUEST_ID), never the Authorization header or query string."""
+    token = "bearer-secret-for-the-log-test"
+    req = urllib.request.Request(f"{lb['https']}/v1/completions?api_key=query-secret", data=b'{"prompt": "x"}',
+                                 method="POST", headers={"Content-Type": "application/json", "X-Request-ID": "forged",
+                                                         "Authorization": f"Bearer {token}"})
+    with urllib.request.urlopen(req, timeout=10, context=lb["ep"].tls) as resp:
+        assert resp.status == 200
+        body = resp.read()
+    e = lb["journal"].entry("HAPROXY_PATH", "/v1/completions")
+    server = json.loads(body)["backend"]
+    assert {k: e[k] for k in ("HAPROXY_FRONTEND", "HAPROXY_BACKEND", "HAPROXY_SERVER", "HAPROXY_STATUS",
+                              "HAPROXY_METHOD", "HAPROXY_CLIENT", "SYSLOG_IDENTIFIER", "PRIORITY")} == {
+        "HAPROXY_FRONTEND": "inference", "HAPROXY_BACKEND": "inference", "HAPROXY_SERVER": server,
+        "HAPROXY_STATUS": "200", "HAPROXY_METHOD": "POST", "HAPROXY_CLIENT": "127.0.0.1",
+        "SYSLOG_IDENTIFIER": "haproxy", "PRIORITY": "6"}
+    assert int(e["HAPROXY_BYTES"]) >= len(body) and int(e["HAPROXY_TT"]) >= int(e["HAPROXY_TA"]) >= 0
+    assert all(int(e[k]) >= 0 for k in ("HAPROXY_TR", "HAPROXY_TW", "HAPROXY_TC", "HAPROXY_TRESP", "HAPROXY_RETRIES"))
+    assert e["HAPROXY_TERMINATION"] == "----"
+    assert f" inference inference/{server} " in e["MESSAGE"] and e["MESSAGE"].endswith(" POST /v1/completions HTTP/1.1")
+    # HAProxy's own id reached the backend, once; the client's was dropped.
+    assert lb["a"].request_ids + lb["b"].request_ids == [e["HAPROXY_REQUEST_ID"]] != ["forged"]
+    assert REQUEST_ID_PATTERN.fullmatch(e["HAPROXY_REQUEST_ID"])  # the service logs it as SHARDSTACK_REQUEST_ID
+    # The redirect frontend logs the same way; a probe of the stats or metrics listener does not.
+    host, port = lb["http"]
+    conn = http.client.HTTPConnection(host, port, timeout=5)
+    conn.request("GET", "/v1/models", headers={"Authorization": f"Bearer {token}"})
+    assert conn.getresponse().status == 301
+    e = lb["journal"].entry("HAPROXY_FRONTEND", "http_redirect")
+    assert e["HAPROXY_STATUS"] == "301" and e["HAPROXY_SERVER"] == "<NOSRV>"
+    urllib.request.urlopen(lb["metrics"], timeout=5).read()
+    time.sleep(0.3)
+    assert {f["HAPROXY_FRONTEND"] for f in lb["journal"].entries()} <= {"inference", "http_redirect"}
+    everything = b"".join(lb["journal"].raw)
+    for secret in (token, "query-secret", "Bearer", "authorization", "forged"):
+        assert secret.encode().lower() not in everything.lower(), secret
 
 
 def test_a_draining_backend_503_is_retried_on_the_other(lb: dict) -> None:

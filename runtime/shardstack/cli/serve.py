@@ -62,7 +62,12 @@ def register(sub: argparse._SubParsersAction) -> None:
                    help="engine loop silent this long = hung: /health 503, no watchdog ping (default 30)")
     p.add_argument("--drain-seconds", type=float, default=30.0,
                    help="on SIGTERM, time in-flight requests get to finish (default 30)")
-    p.add_argument("--access-log", action="store_true", help="log every request")
+    p.add_argument("--access-log", nargs="?", const="stdout", default="auto",
+                   choices=["auto", "journal", "stdout", "off"],
+                   help="one entry per request: journal (structured fields), stdout, off; auto (default): journal "
+                        "when run by systemd with the journal, else off. Bare --access-log: stdout")
+    p.add_argument("--journal-socket", default="/run/systemd/journal/socket",
+                   help="journald's native socket the journal access log writes to")
     p.set_defaults(func=run)
 
     actions = p.add_subparsers(dest="serve_command", metavar="ACTION")
@@ -121,11 +126,12 @@ def run(args: argparse.Namespace) -> int:
         dtype=args.dtype,
         stall_seconds=args.stall_seconds,
         drain_seconds=args.drain_seconds,
+        access_log=args.access_log,
+        journal_socket=args.journal_socket,
         failpoint=failpoint,
     )
     level = logging.getLogger().getEffectiveLevel()
-    return serve(Service(settings), args.host, args.port, log_level=logging.getLevelName(level).lower(),
-                 access_log=args.access_log)
+    return serve(Service(settings), args.host, args.port, log_level=logging.getLevelName(level).lower())
 
 
 def _rollout(args: argparse.Namespace) -> int:

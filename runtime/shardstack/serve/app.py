@@ -18,6 +18,7 @@ from starlette.routing import Route
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from shardstack.serve import routes
+from shardstack.serve.accesslog import AccessLogMiddleware, JournalSink, resolve_mode
 from shardstack.serve.lifecycle import Service, feed_watchdog
 from shardstack.serve.metrics import ServeMetrics
 from shardstack.serve.protocol import ApiError, clip
@@ -94,6 +95,8 @@ def create_app(service: Service) -> Starlette:
             watchdog.cancel()
             await asyncio.to_thread(service.shutdown)
 
+    mode = resolve_mode(service.settings.access_log, service.settings.journal_socket)
+    sink = JournalSink(service.settings.journal_socket) if mode == "journal" else None
     app = Starlette(
         routes=[
             Route(routes.COMPLETIONS_PATH, routes.completions, methods=["POST"]),
@@ -102,7 +105,9 @@ def create_app(service: Service) -> Starlette:
             Route("/info", routes.info, methods=["GET"]),
             Route("/metrics", routes.metrics, methods=["GET"]),
         ],
-        middleware=[Middleware(ApiMetricsMiddleware, metrics=service.metrics)],
+        # The access log outermost: it sees every response, the router's 404s and 500s included.
+        middleware=[Middleware(AccessLogMiddleware, mode=mode, sink=sink),
+                    Middleware(ApiMetricsMiddleware, metrics=service.metrics)],
         exception_handlers={ApiError: _api_error, HTTPException: _http_error, Exception: _server_error},
         lifespan=lifespan,
     )

@@ -16,6 +16,7 @@ from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.types import Receive
 
 from shardstack import __version__
+from shardstack.serve.accesslog import request_fields
 from shardstack.serve.lifecycle import Service
 from shardstack.serve.protocol import ApiError, CompletionRequest, parse_completion
 from shardstack.serve.scheduler import Output, QueueFull, Scheduler, Sequence
@@ -108,6 +109,8 @@ async def completions(request: Request) -> Response:
     raw = await _read_body(request, svc.settings.max_body_bytes)
     assert svc.limits is not None and svc.prompt is not None
     req = parse_completion(raw, svc.limits, svc.name, svc.prompt)
+    access = request_fields(request.scope)  # token counts for the access log (never the prompt itself)
+    access["prompt_tokens"] = len(req.prompt)
 
     events: asyncio.Queue[Output] = asyncio.Queue()
     seq = Sequence(req.prompt, req.max_tokens, req.sampling, req.stop, emit=svc.handoff.to(events),
@@ -120,9 +123,9 @@ async def completions(request: Request) -> Response:
     meta = {"id": f"cmpl-{uuid.uuid4().hex}", "object": "text_completion", "created": int(time.time()),
             "model": svc.name}
     if req.stream:
-        return StreamingResponse(_sse(engine, seq, events, req, meta), media_type="text/event-stream",
+        return StreamingResponse(_sse(engine, seq, events, req, meta, access), media_type="text/event-stream",
                                  headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
-    return await _complete(request, engine, seq, events, req, meta)
+    return await _complete(request, engine, seq, events, req, meta, access)
 
 
 def _usage(req: CompletionRequest, completion_tokens: int) -> dict[str, int]:
@@ -142,7 +145,7 @@ async def _wait_disconnect(receive: Receive) -> None:
 
 
 async def _complete(request: Request, engine: Scheduler, seq: Sequence, events: asyncio.Queue[Output],
-                    req: CompletionRequest, meta: dict[str, Any]) -> Response:
+                    req: CompletionRequest, meta: dict[str, Any], access: dict[str, Any]) -> Response:
     # Watch for the client going away so an abandoned request frees its slot instead of running to max_tokens.
     gone = asyncio.ensure_future(_wait_disconnect(request.receive))
     result = asyncio.ensure_future(events.get())  # a non-streamed sequence reports once, when finished
@@ -157,6 +160,7 @@ async def _complete(request: Request, engine: Scheduler, seq: Sequence, events: 
     ev = result.result()
     if ev.error:
         raise _engine_failure(ev)
+    access.update(completion_tokens=ev.completion_tokens, finish_reason=ev.finish_reason)
     choice = {"text": ev.data, "index": 0, "logprobs": None, "finish_reason": ev.finish_reason}
     return JSONResponse({**meta, "choices": [choice], "usage": _usage(req, ev.completion_tokens)})
 
@@ -166,7 +170,7 @@ def _sse_line(obj: Any) -> str:
 
 
 async def _sse(engine: Scheduler, seq: Sequence, events: asyncio.Queue[Output], req: CompletionRequest,
-               meta: dict[str, Any]) -> AsyncIterator[str]:
+               meta: dict[str, Any], access: dict[str, Any]) -> AsyncIterator[str]:
     finished = False
     try:
         while not finished:
@@ -175,6 +179,7 @@ async def _sse(engine: Scheduler, seq: Sequence, events: asyncio.Queue[Output], 
                 yield _sse_line(_engine_failure(ev).body())
                 break
             finished = ev.finish_reason is not None
+            access.update(completion_tokens=ev.completion_tokens, finish_reason=ev.finish_reason)
             if ev.data or finished:
                 choice = {"text": ev.data, "index": 0, "logprobs": None, "finish_reason": ev.finish_reason}
                 yield _sse_line({**meta, "choices": [choice]})

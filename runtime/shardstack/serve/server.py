@@ -77,14 +77,14 @@ class DrainingServer(uvicorn.Server):
         self.should_exit = True
 
 
-def serve(service: Service, host: str, port: int, *, log_level: str = "info", access_log: bool = False) -> int:
+def serve(service: Service, host: str, port: int, *, log_level: str = "info") -> int:
     """Serve until drained or failed; the return value is the process exit code."""
     config = uvicorn.Config(
         create_app(service),
         host=host,
         port=port,
         log_level=log_level,
-        access_log=access_log,
+        access_log=False,  # ours instead (accesslog.py): structured fields under journald
         lifespan="on",
         # After the drain only finished responses are left to flush; keep-alive sockets close at once.
         timeout_graceful_shutdown=5,

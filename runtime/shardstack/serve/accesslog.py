@@ -1,0 +1,194 @@
+"""The access log: one entry per request, as structured journal fields or as a line on stdout.
+
+Under journald each request is one entry with SHARDSTACK_METHOD, _PATH, _STATUS, _DURATION_MS, _REQUEST_ID,
+_CLIENT (the peer; behind HAProxy that is the load balancer), _FORWARDED_FOR (X-Forwarded-For, which HAProxy sets
+and clients cannot), _PROMPT_TOKENS / _COMPLETION_TOKENS for completions, _RESPONSE_BYTES, and a readable MESSAGE,
+so `journalctl SHARDSTACK_STATUS=503` filters without a regex. Never logged: request bodies (prompts), the
+Authorization header, the query string, any other header.
+
+Written with journald's native protocol (https://systemd.io/JOURNAL_NATIVE_PROTOCOL/), as notify.py speaks
+sd_notify: one datagram of KEY=value lines to /run/systemd/journal/socket. Not `systemd-python`: PyPI has only its
+sdist, which needs libsystemd-dev and a compiler on every inference node, for a protocol of a dozen lines that
+systemd documents as stable. The socket is non-blocking: when journald falls behind, an entry is dropped (and
+counted) rather than stalling the event loop that serves tokens.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import re
+import socket
+import struct
+import time
+import uuid
+from collections.abc import Mapping
+from typing import Any
+
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
+
+log = logging.getLogger(__name__)
+access_log = logging.getLogger("shardstack.serve.access")  # the stdout sink
+
+JOURNAL_SOCKET = "/run/systemd/journal/socket"
+MODES = ("auto", "journal", "stdout", "off")
+SYSLOG_IDENTIFIER = "shardstack-inference"  # as the unit's SyslogIdentifier=, for `journalctl -t`
+REQUEST_ID_HEADER = "x-request-id"
+SCOPE_KEY = "shardstack.access"  # per-request fields routes add (token counts), in the ASGI scope
+# Probes and scrapes that succeed are not worth an entry a second per load balancer; failing ones are logged.
+QUIET_PATHS = ("/health", "/metrics")
+# HAProxy's unique-id-format (roles/loadbalancer) makes e.g. 0A000005:C1F2_0A000003:01BB_674C8E21_0001:1B3C.
+REQUEST_ID_PATTERN = re.compile(r"[A-Za-z0-9_.:-]{1,128}")
+_FIELD = re.compile(r"[A-Z0-9][A-Z0-9_]*")
+_PATH_MAX = 256
+
+
+def encode_entry(fields: Mapping[str, object]) -> bytes:
+    """A native-protocol datagram: KEY=value lines, or KEY, a little-endian 64-bit length and the raw value for a
+    value holding a newline."""
+    out = bytearray()
+    for key, value in fields.items():
+        if not _FIELD.fullmatch(key):
+            raise ValueError(f"invalid journal field name {key!r}")
+        data = value if isinstance(value, bytes) else str(value).encode("utf-8", "replace")
+        if b"\n" in data:
+            out += key.encode() + b"\n" + struct.pack("<Q", len(data)) + data + b"\n"
+        else:
+            out += key.encode() + b"=" + data + b"\n"
+    return bytes(out)
+
+
+def decode_entry(data: bytes) -> dict[str, str]:
+    """The inverse of encode_entry (for tests and tools reading the same datagrams)."""
+    fields: dict[str, str] = {}
+    i = 0
+    while i < len(data):
+        end = data.index(b"\n", i)
+        line = data[i:end]
+        if b"=" in line:
+            key, _, value = line.partition(b"=")
+            fields[key.decode()] = value.decode()
+            i = end + 1
+        else:
+            (size,) = struct.unpack("<Q", data[end + 1:end + 9])
+            fields[line.decode()] = data[end + 9:end + 9 + size].decode()
+            i = end + 9 + size + 1
+    return fields
+
+
+class JournalSink:
+    """Sends entries to journald's native socket (or any unix datagram socket, for tests)."""
+
+    def __init__(self, path: str = JOURNAL_SOCKET) -> None:
+        self.path = path
+        self.dropped = 0
+        self._sock = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM | socket.SOCK_CLOEXEC | socket.SOCK_NONBLOCK)
+
+    def send(self, fields: Mapping[str, object]) -> bool:
+        try:
+            self._sock.sendto(encode_entry(fields), self.path)
+            return True
+        except OSError as exc:  # journald busy (EAGAIN) or gone: never fatal for serving
+            self.dropped += 1
+            if self.dropped == 1 or self.dropped % 1000 == 0:
+                log.warning("access log: %d entr%s not written to %s (last: %s)", self.dropped,
+                            "y" if self.dropped == 1 else "ies", self.path, exc.strerror or exc)
+            return False
+
+    def close(self) -> None:
+        self._sock.close()
+
+
+def resolve_mode(mode: str, socket_path: str, environ: Mapping[str, str] | None = None) -> str:
+    """auto → journal when stdout goes to journald ($JOURNAL_STREAM, as systemd sets it) and its socket is there,
+    else off; journal without the socket → stdout (with a warning)."""
+    env = os.environ if environ is None else environ
+    if mode not in MODES:
+        raise ValueError(f"access log mode {mode!r}: one of {', '.join(MODES)}")
+    have_socket = os.path.exists(socket_path)
+    if mode == "auto":
+        return "journal" if env.get("JOURNAL_STREAM") and have_socket else "off"
+    if mode == "journal" and not have_socket:
+        log.warning("access log: no journal socket at %s; logging requests to stdout instead", socket_path)
+        return "stdout"
+    return mode
+
+
+def request_fields(scope: Scope) -> dict[str, Any]:
+    """The dict routes add fields to (e.g. token counts); a throwaway one outside the access log."""
+    return scope.get(SCOPE_KEY, {})
+
+
+def _header(scope: Scope, name: bytes) -> str | None:
+    for key, value in scope.get("headers", []):
+        if key == name:
+            return value.decode("latin-1")
+    return None
+
+
+class AccessLogMiddleware:
+    """Times every HTTP request to its last response byte, gives it a request id (the client's or HAProxy's
+    X-Request-ID when well-formed, else a new one; echoed in the response) and writes one entry when it ends."""
+
+    def __init__(self, app: ASGIApp, mode: str, sink: JournalSink | None = None) -> None:
+        self.app = app
+        self.mode = mode
+        self.sink = sink
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        started = time.monotonic()
+        given = _header(scope, REQUEST_ID_HEADER.encode())
+        request_id = given if given and REQUEST_ID_PATTERN.fullmatch(given) else uuid.uuid4().hex
+        extra: dict[str, Any] = {}
+        scope[SCOPE_KEY] = extra
+        status, sent = 500, 0  # what the client sees if the app raises before answering
+
+        async def send_wrapper(message: Message) -> None:
+            nonlocal status, sent
+            if message["type"] == "http.response.start":
+                status = message["status"]
+                message["headers"] = [*message.get("headers", []), (b"x-request-id", request_id.encode())]
+            elif message["type"] == "http.response.body":
+                sent += len(message.get("body", b""))
+            await send(message)
+
+        try:
+            await self.app(scope, receive, send_wrapper)
+        finally:
+            if self.mode != "off" and not (scope["path"] in QUIET_PATHS and 200 <= status < 300):
+                self._write(scope, status, sent, (time.monotonic() - started) * 1000, request_id, extra)
+
+    def _write(self, scope: Scope, status: int, sent: int, ms: float, request_id: str, extra: dict[str, Any]) -> None:
+        method = scope["method"][:16]
+        path = scope["path"][:_PATH_MAX]
+        client = scope["client"][0] if scope.get("client") else "-"
+        forwarded = (_header(scope, b"x-forwarded-for") or "")[:256]
+        tokens = ""
+        if "prompt_tokens" in extra:
+            tokens = f" tokens={extra['prompt_tokens']}+{extra.get('completion_tokens', 0)}"
+        message = (f'{forwarded or client} "{method} {path}" {status} {ms:.1f}ms {sent}B{tokens} '
+                   f"id={request_id}")
+        if self.mode == "stdout" or self.sink is None:
+            access_log.info("%s", message)
+            return
+        fields: dict[str, object] = {
+            "MESSAGE": message,
+            "PRIORITY": 4 if status >= 500 else 6,  # warning / info
+            "SYSLOG_IDENTIFIER": SYSLOG_IDENTIFIER,
+            "SHARDSTACK_METHOD": method,
+            "SHARDSTACK_PATH": path,
+            "SHARDSTACK_STATUS": status,
+            "SHARDSTACK_DURATION_MS": f"{ms:.1f}",
+            "SHARDSTACK_REQUEST_ID": request_id,
+            "SHARDSTACK_CLIENT": client,
+            "SHARDSTACK_RESPONSE_BYTES": sent,
+        }
+        if forwarded:
+            fields["SHARDSTACK_FORWARDED_FOR"] = forwarded
+        for key in ("prompt_tokens", "completion_tokens", "finish_reason"):
+            if key in extra:
+                fields[f"SHARDSTACK_{key.upper()}"] = extra[key]
+        self.sink.send(fields)
