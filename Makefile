@@ -46,7 +46,7 @@ demo: setup
 	$(BIN)/shardstack demo
 
 lint: setup
-	ruff check runtime tests bench
+	ruff check runtime tests bench roles/dcgm_exporter/files
 	yamllint -s .
 	ansible-lint --offline -q
 
