@@ -184,6 +184,7 @@ def _server_status(sock: Path, server: str) -> str:
 def test_cordon_commands_drain_and_restore_a_server(lb: dict, tmp_path: Path) -> None:
     from shardstack.errors import ShardstackError
     from shardstack.ops import cordon
+    from shardstack.ops import status as status_ops
     from shardstack.ops.runner import CommandResult
 
     sock = tmp_path / "admin.sock"
@@ -191,6 +192,8 @@ def test_cordon_commands_drain_and_restore_a_server(lb: dict, tmp_path: Path) ->
     answer = _admin(sock, command)
     cordon.check_haproxy_answers({"lb": CommandResult("lb", 0, answer)}, ["lb"], command)  # empty: accepted
     assert _server_status(sock, "a") == "DRAIN"
+    servers = {s["server"]: s for s in status_ops.haproxy_servers(lb["stats"])}  # what `shardstack status` reads
+    assert servers["a"]["status"] == "DRAIN" and servers["b"]["status"] == "UP"
     before = lb["a"].hits[200]
     codes = Counter(post(lb["url"])[0] for _ in range(10))
     assert codes == Counter({200: 10}) and lb["a"].hits[200] == before  # no new requests reach a drained server
