@@ -143,3 +143,11 @@ def test_status_table(server: str) -> None:
     text = out.export_text()
     assert "up drained" in text and "DRAIN" in text and "step 1200, loss 2.8125, 51234 tokens/s" in text
     assert "GPUHealthUncorrectableECC" in text and "shardstack-inference.service" in text
+
+
+def test_sources_from_the_inventory() -> None:
+    inv = {"groups": GROUPS, "hostvars": {"lb": {"ansible_host": "10.0.0.5"}}}
+    assert status_ops.sources(inv) == ("http://10.0.0.5:9090", "http://10.0.0.5:8404")
+    inv = {"groups": {**GROUPS, "monitoring_server": []},
+           "hostvars": {"lb": {"ansible_host": "10.0.0.5", "loadbalancer_stats_port": 9404}}}
+    assert status_ops.sources(inv) == (None, "http://10.0.0.5:9404")

@@ -5,7 +5,6 @@ from __future__ import annotations
 import argparse
 import json
 import time
-from typing import Any
 
 from rich.live import Live
 from rich.table import Table
@@ -23,19 +22,6 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--watch", type=float, nargs="?", const=5.0, metavar="SECONDS",
                    help="refresh every SECONDS (default 5) until interrupted")
     p.set_defaults(func=_status)
-
-
-def _sources(args: argparse.Namespace) -> tuple[dict[str, Any], str | None, str | None]:
-    inv = cluster.inventory_hosts(args.inventory)
-    groups = inv["groups"]
-    prometheus = haproxy = None
-    if groups.get("monitoring_server"):
-        port = cluster.setting(inv, "prometheus_port", "prometheus", "monitoring_server")
-        prometheus = f"http://{cluster.address(inv, groups['monitoring_server'][0])}:{port}"
-    if groups.get("loadbalancer"):
-        port = cluster.setting(inv, "loadbalancer_stats_port", "loadbalancer", "loadbalancer")
-        haproxy = f"http://{cluster.address(inv, groups['loadbalancer'][0])}:{port}"
-    return groups, prometheus, haproxy
 
 
 def table(st: status_ops.Status) -> Table:
@@ -66,10 +52,11 @@ def table(st: status_ops.Status) -> Table:
 
 
 def _status(args: argparse.Namespace) -> int:
-    groups, prometheus, haproxy = _sources(args)
+    inv = cluster.inventory_hosts(args.inventory)
+    prometheus, haproxy = status_ops.sources(inv)
 
     def snapshot() -> status_ops.Status:
-        return status_ops.collect(groups, cordon.load(args.inventory), prometheus, haproxy)
+        return status_ops.collect(inv["groups"], cordon.load(args.inventory), prometheus, haproxy)
 
     if args.json:
         print(json.dumps(snapshot().to_dict(), indent=2))

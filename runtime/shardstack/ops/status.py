@@ -15,6 +15,7 @@ from dataclasses import asdict, dataclass, field
 from typing import Any
 
 from shardstack.errors import ShardstackError
+from shardstack.ops import cluster
 
 NODE_GROUPS = ("train_nodes", "inference_nodes", "loadbalancer", "monitoring_server", "storage_server")
 TRAIN_METRICS = {"step": "shardstack_train_step", "loss": "shardstack_train_loss",
@@ -33,6 +34,19 @@ class Status:
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
+
+
+def sources(inv: dict[str, Any]) -> tuple[str | None, str | None]:
+    """Prometheus on the first monitoring_server and HAProxy's stats on the first loadbalancer, as URLs."""
+    groups = inv["groups"]
+    prometheus = haproxy = None
+    if groups.get("monitoring_server"):
+        port = cluster.setting(inv, "prometheus_port", "prometheus", "monitoring_server")
+        prometheus = f"http://{cluster.address(inv, groups['monitoring_server'][0])}:{port}"
+    if groups.get("loadbalancer"):
+        port = cluster.setting(inv, "loadbalancer_stats_port", "loadbalancer", "loadbalancer")
+        haproxy = f"http://{cluster.address(inv, groups['loadbalancer'][0])}:{port}"
+    return prometheus, haproxy
 
 
 def _get(url: str, timeout: float) -> bytes:
