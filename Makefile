@@ -12,7 +12,7 @@ export ANSIBLE_CONFIG := $(abspath ansible.cfg)
 export SHARDSTACK_CACHE ?= /var/cache/shardstack
 
 APT_PACKAGES := python3-venv python3-dev debootstrap systemd-container apt-cacher-ng iproute2 openssh-client \
-                util-linux prometheus prometheus-alertmanager haproxy git
+                util-linux prometheus prometheus-alertmanager haproxy git systemd-journal-remote
 EXTRAS := train,serve,ops,dev
 STAMP := $(VENV)/.installed-$(shell cat pyproject.toml | sha1sum | cut -c1-12)
 

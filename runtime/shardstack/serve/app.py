@@ -7,7 +7,6 @@ import asyncio
 import contextlib
 import logging
 import time
-import uuid
 from collections.abc import AsyncIterator
 
 from starlette.applications import Starlette
@@ -18,15 +17,12 @@ from starlette.responses import Response
 from starlette.routing import Route
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from shardstack import journal
 from shardstack.serve import routes
 from shardstack.serve.lifecycle import Service, feed_watchdog
 from shardstack.serve.metrics import ServeMetrics
 from shardstack.serve.protocol import ApiError, clip
 
 log = logging.getLogger(__name__)
-# One line per /v1/* request; under systemd a structured journal entry (REQUEST_ID, STATUS, LATENCY_MS …).
-access_log = logging.getLogger("shardstack.serve.access")
 
 
 def _error_response(err: ApiError) -> Response:
@@ -58,8 +54,7 @@ async def _server_error(request: Request, exc: Exception) -> Response:
 
 
 class ApiMetricsMiddleware:
-    """Counts /v1/* responses by status code, times successful completions (streamed ones to the last byte) and
-    writes the access log: one entry per request, when its response is complete."""
+    """Counts /v1/* responses by status code and times successful completions (streamed ones to the last byte)."""
 
     def __init__(self, app: ASGIApp, metrics: ServeMetrics) -> None:
         self.app = app
@@ -86,18 +81,6 @@ class ApiMetricsMiddleware:
         finally:
             if status != 499:
                 self.metrics.requests.labels(code=str(status)).inc()
-            _log_access(scope, status, time.monotonic() - started)
-
-
-def _log_access(scope: Scope, status: int, seconds: float) -> None:
-    headers = dict(scope.get("headers") or [])
-    # The caller's id when it sends one (X-Request-ID), so a request can be followed across hops; else a new one.
-    request_id = clip(headers.get(b"x-request-id", b"").decode("latin-1"), 64) or uuid.uuid4().hex
-    client = (scope.get("client") or ("-", 0))[0]
-    method, path, ms = clip(scope.get("method", ""), 16), clip(scope.get("path", "")), round(seconds * 1000, 1)
-    access_log.info("%s %s %s %d %.1fms", client, method, path, status, ms, extra={"journal": {
-        "REQUEST_ID": request_id, "CLIENT": client, "METHOD": method, "PATH": path, "STATUS": status,
-        "LATENCY_MS": ms}})
 
 
 def create_app(service: Service) -> Starlette:
@@ -124,5 +107,4 @@ def create_app(service: Service) -> Starlette:
         lifespan=lifespan,
     )
     app.state.service = service
-    journal.attach(access_log, "shardstack-inference")
     return app

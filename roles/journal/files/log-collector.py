@@ -1,5 +1,5 @@
 #!/usr/bin/python3
-"""The log collector's two chores, run by systemd timers on the monitoring node (roles/log_collector).
+"""The log collector's two chores, run by systemd timers on the monitoring node (roles/journal, tasks/collector.yml).
 
 metrics: for each node whose journal reaches the central store, the entries received since the last run and when
          the last one arrived (this node's clock, so a node with a wrong clock still counts), as a textfile for
