@@ -2,8 +2,8 @@
 """The lifecycle of training artefacts on shared storage: what `shardstack artifacts prune` deletes, and why.
 
 It runs where the storage is (the first storage_server), shipped there by playbooks/artifacts_prune.yml, and the
-optional timer of the artifact_lifecycle role runs the same file; so it uses the standard library only, and the
-checkpoint layout's names are repeated here (tests/ops/test_artifacts.py holds them equal to
+shared_storage role's prune timer (tasks/prune.yml) runs the same file; so it uses the standard library only, and
+the checkpoint layout's names are repeated here (tests/ops/test_artifacts.py holds them equal to
 shardstack.train.checkpoint.layout's).
 
 Under <shared>/ (shardstack_shared_dir):
