@@ -21,8 +21,9 @@ def register(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("logs", help="search every node's journal in the central store (the log collector)",
                        description="Query the central journal store on the log collector (the first "
                                    "monitoring_server): newest entries first filtered, oldest first printed.")
-    p.add_argument("--host", help="only this node (its hostname as it logs it, _HOSTNAME)")
+    p.add_argument("--host", "-H", help="only this node (its hostname, _HOSTNAME: in the lab its inventory name)")
     p.add_argument("--unit", "-u", help="only this systemd unit (e.g. shardstack-inference.service)")
+    p.add_argument("--job", "-j", help="only this training job (its unit shardstack-train@JOB on every train node)")
     p.add_argument("--identifier", "-t", help="only this syslog identifier (e.g. haproxy, logger -t NAME)")
     p.add_argument("--since", "-S", help='from this time on: "-10min", "-2h", "today", "2025-01-31 12:00"')
     p.add_argument("--grep", "-g", help="only messages matching this regular expression (PCRE2)")
@@ -46,7 +47,7 @@ def _row(entry: logs_ops.LogEntry) -> tuple[str, ...]:
 
 
 def _logs(args: argparse.Namespace) -> int:
-    q = logs_ops.LogQuery(host=args.host, unit=args.unit, identifier=args.identifier, since=args.since,
+    q = logs_ops.LogQuery(host=args.host, unit=args.unit, job=args.job, identifier=args.identifier, since=args.since,
                           grep=args.grep, lines=args.lines)
     if args.follow:
         for entry in logs_ops.follow(q, args.inventory):
@@ -55,7 +56,8 @@ def _logs(args: argparse.Namespace) -> int:
             else:
                 console.print(" ".join(_row(entry)), soft_wrap=True, highlight=False)
         return EXIT_OK
-    entries = logs_ops.query(q, args.inventory)
+    with console.status("asking the log collector (journalctl --merge over ansible-runner)…"):
+        entries = logs_ops.query(q, args.inventory)
     if args.json:
         for entry in entries:
             _json_line(entry)

@@ -3,8 +3,7 @@ through ansible-runner, its JSON parsed into typed entries.
 
 The collector holds every other node's journal under /var/log/journal/remote/ (one file per host, written by
 systemd-journal-remote) and its own journal where journald keeps it (it does not upload to itself), so a query reads
-both: `journalctl --merge`. Structured fields come along: a service's own journal fields (the inference service's
-REQUEST_ID, STATUS, LATENCY_MS …) and, for a message that is one JSON object (HAProxy's access log), its keys.
+both: `journalctl --merge`. An entry's own fields (everything but journald's trusted `_…` ones) come along.
 """
 
 from __future__ import annotations
@@ -20,6 +19,8 @@ from typing import Any
 
 from shardstack.errors import ShardstackError
 from shardstack.ops.runner import run_command
+from shardstack.ops.train import check_job_name
+from shardstack.ops.train import unit as job_unit
 
 COLLECTOR_GROUP = "monitoring_server"
 # Journal fields every entry has, shown in their own columns or of no use to a reader; the rest are the entry's own.
@@ -33,12 +34,18 @@ _SINCE_RE = re.compile(r"^(-?\d+\s*(s|sec|m|min|h|hour|d|day|w|week)s?( ago)?|no
 class LogQuery:
     host: str | None = None        # the node's _HOSTNAME (its hostname as it logs it)
     unit: str | None = None        # systemd unit (journalctl --unit: the service's own lines and systemd's about it)
+    job: str | None = None         # a training job: its unit shardstack-train@<job>.service on every train node
     identifier: str | None = None  # SYSLOG_IDENTIFIER (logger -t, a unit's SyslogIdentifier=)
     since: str | None = None       # journalctl --since: "-10min", "2025-01-31 12:00", "today"
     grep: str | None = None        # journalctl --grep: a PCRE2 regular expression on MESSAGE
     lines: int = 100               # newest N (ignored when following)
 
     def check(self) -> None:
+        if self.job is not None:
+            if self.unit:
+                raise ShardstackError("--job and --unit both name a unit: give one",
+                                      hint=f"--job {self.job} is --unit {job_unit(self.job)}")
+            check_job_name(self.job)
         if self.since and not _SINCE_RE.match(self.since.strip()):
             raise ShardstackError(f"--since {self.since!r} is not a time journalctl reads",
                                   hint='e.g. "-10min", "-2h", "today", "2025-01-31 12:00", "@1735689600"')
@@ -75,8 +82,9 @@ class LogEntry:
 def journalctl_argv(q: LogQuery, cursor: str | None = None) -> list[str]:
     """The command the collector runs: newest `lines` entries, or everything after `cursor` when following."""
     argv = ["journalctl", "--merge", "--no-pager", "--quiet", "--output=json"]
-    if q.unit:
-        argv.append(f"--unit={q.unit}")
+    unit = job_unit(q.job) if q.job else q.unit
+    if unit:
+        argv.append(f"--unit={unit}")
     if q.identifier:
         argv.append(f"--identifier={q.identifier}")
     if q.since and not cursor:
@@ -101,14 +109,6 @@ def _text(value: Any) -> str:
 def parse_entry(raw: dict[str, Any]) -> LogEntry:
     message = _text(raw.get("MESSAGE"))
     fields = {k: _text(v) for k, v in raw.items() if not k.startswith("_") and k not in _SHOWN}
-    # A message that is one JSON object (HAProxy's access log format) is structured data: its keys join the fields.
-    if message.startswith("{") and message.endswith("}"):
-        try:
-            obj = json.loads(message)
-        except ValueError:
-            obj = None
-        if isinstance(obj, dict):
-            fields.update({str(k).upper(): v for k, v in obj.items()})
     try:
         priority = int(raw["PRIORITY"]) if "PRIORITY" in raw else None
     except (TypeError, ValueError):
@@ -155,7 +155,7 @@ def _query(argv: list[str], inventory: Path, host: str) -> list[LogEntry]:
     if res.unreachable or (res.rc not in (0, 1)) or (res.rc == 1 and res.stderr.strip()):
         raise ShardstackError(f"journalctl on the log collector {name} failed: "
                               f"{(res.stderr or res.message or '').strip()[:300]}",
-                              hint="is the log_collector role deployed there? (shardstack deploy --tags logs)")
+                              hint="is the journal role deployed there? (shardstack deploy --tags logs)")
     return parse_output(res.stdout)
 
 
