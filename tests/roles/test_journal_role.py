@@ -49,7 +49,12 @@ def test_nodes_upload_over_http_to_the_first_monitoring_server(role_eval: Any, d
 
 def test_the_collector_does_not_upload_to_itself(role_eval: Any, debian_container: dict) -> None:
     assert _journal(role_eval, debian_container, inventory_hostname="n1")["__journal_upload_active"] is False
-    assert _journal(role_eval, debian_container, inventory_hostname="n1")["__journal_is_collector"] is True
+    collector = _journal(role_eval, debian_container, inventory_hostname="n1")
+    assert collector["__journal_is_collector"] is True
+    # The package brings both ends: each node stops the one it does not run.
+    assert collector["__journal_unwanted_units"] == ["systemd-journal-upload.service"]
+    assert _journal(role_eval, debian_container, inventory_hostname="n2")["__journal_unwanted_units"] == [
+        "systemd-journal-remote.socket", "systemd-journal-remote.service"]
     assert role_eval("journal", debian_container)["__journal_upload_active"] is False  # no monitoring_server
     r = _journal(role_eval, debian_container, inventory_hostname="n2", journal_upload_enabled=False)
     assert (r["__journal_upload_active"], r["__journal_is_collector"]) == (False, False)

@@ -30,6 +30,9 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--lines", "-n", type=int, default=100, help="the newest N entries (default 100)")
     p.add_argument("--follow", "-f", action="store_true", help="keep printing new entries (asks every 2 s)")
     p.add_argument("--json", action="store_true", help="one JSON object per entry (JSON lines) on stdout")
+    p.add_argument("--collector", default=logs_ops.COLLECTOR, metavar="HOST",
+                   help="the inventory host holding the central store, when journal_collector moved it "
+                        f"(default {logs_ops.COLLECTOR})")
     add_inventory_arg(p)
     p.set_defaults(func=_logs)
 
@@ -50,14 +53,14 @@ def _logs(args: argparse.Namespace) -> int:
     q = logs_ops.LogQuery(host=args.host, unit=args.unit, job=args.job, identifier=args.identifier, since=args.since,
                           grep=args.grep, lines=args.lines)
     if args.follow:
-        for entry in logs_ops.follow(q, args.inventory):
+        for entry in logs_ops.follow(q, args.inventory, host=args.collector):
             if args.json:
                 _json_line(entry)
             else:
                 console.print(" ".join(_row(entry)), soft_wrap=True, highlight=False)
         return EXIT_OK
     with console.status("asking the log collector (journalctl --merge over ansible-runner)…"):
-        entries = logs_ops.query(q, args.inventory)
+        entries = logs_ops.query(q, args.inventory, host=args.collector)
     if args.json:
         for entry in entries:
             _json_line(entry)
