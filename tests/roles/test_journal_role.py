@@ -89,7 +89,7 @@ def test_collector_timers_keep_its_store_within_retention_and_share(role_eval: A
     vacuum = _lines(r.render("shardstack-log-vacuum.service.j2"))
     assert ("ExecStart=/usr/local/libexec/shardstack/log-collector --store=/var/log/journal/remote --disk-share=25 "
             "--keep-free=15 vacuum --retention=90day") in vacuum
-    assert "ReadWritePaths=/var/log/journal/remote" in vacuum and "PrivateNetwork=yes" in vacuum
+    assert "ReadWritePaths=-/var/log/journal/remote" in vacuum and "PrivateNetwork=yes" in vacuum
     assert "OnCalendar=hourly" in _lines(r.render("shardstack-log-vacuum.timer.j2"))
     metrics = _lines(r.render("shardstack-log-metrics.service.j2"))
     assert any(line.startswith("ExecStart=") and "--textfile=/var/lib/prometheus/node-exporter/shardstack_logs.prom"
