@@ -22,6 +22,7 @@ _COMMAND_MODULES: list[tuple[str, str, str]] = [
     ("validate", "shardstack.cli.deploy", "validate a deployed cluster: GPUs, NCCL, all-reduce, storage, inference"),
     ("data", "shardstack.cli.data", "prepare token shards for training"),
     ("tokenizer", "shardstack.cli.tokenizer", "train a byte-level BPE tokenizer"),
+    ("pretrained", "shardstack.cli.pretrained", "build the demo's small pretrained Llama here (cached)"),
     ("train", "shardstack.cli.train", "training: run a job here, or submit/status/stop/logs on the cluster"),
     ("estimate", "shardstack.cli.estimate", "predict per-rank training memory for each ZeRO stage"),
     ("checkpoint", "shardstack.cli.checkpoint", "list and verify training checkpoints"),
