@@ -10,13 +10,15 @@ export PATH := $(abspath $(BIN)):$(PATH)
 export ANSIBLE_CONFIG := $(abspath ansible.cfg)
 # Heavy artifacts (node image, apt cache) live outside the clone so the next run or clone reuses them.
 export SHARDSTACK_CACHE ?= /var/cache/shardstack
+DEBIAN_UNITS := $(SHARDSTACK_CACHE)/debian-units
+UNIT_PACKAGES := prometheus-node-exporter prometheus prometheus-alertmanager haproxy
 
-APT_PACKAGES := python3-venv python3-dev debootstrap systemd-container apt-cacher-ng iproute2 openssh-client \
-                util-linux prometheus prometheus-alertmanager haproxy git
+APT_PACKAGES := python3-venv python3-dev debootstrap systemd-container apt-cacher-ng iproute2 openssh-client nftables \
+                util-linux prometheus prometheus-alertmanager haproxy git systemd-journal-remote
 EXTRAS := train,serve,ops,dev
 STAMP := $(VENV)/.installed-$(shell cat pyproject.toml | sha1sum | cut -c1-12)
 
-.PHONY: help setup apt venv demo test lint unit molecule e2e gpu-check clean
+.PHONY: help setup apt venv demo test lint unit molecule e2e gpu-check pretrained clean
 
 help:
 	@echo "make demo   - set up, boot a 3-node lab, deploy site.yml on it, print a summary"
@@ -24,10 +26,11 @@ help:
 	@echo "make e2e    - the whole cluster on a 3-node lab: deploy, 2-node training, kill a worker, serve (~9 min)"
 	@echo "make molecule - every molecule scenario (default + one per role), MOLECULE_JOBS=$(MOLECULE_JOBS) at a time"
 	@echo "make bench-NAME [ARGS='…'] - run bench/NAME.py with what it needs (e.g. make bench-vs_deepspeed)"
+	@echo "make pretrained - build the demo's pretrained Llama into $(SHARDSTACK_CACHE)/pretrained (tokenizer, data, CPU training, export)"
 	@echo "make gpu-check - on a machine with NVIDIA GPUs: preflight, driver/CUDA/torch, NCCL training, serving (< 10 min)"
 	@echo "make lint | unit | clean"
 
-setup: apt venv
+setup: apt venv $(DEBIAN_UNITS)/.ready
 
 apt:
 	@missing=""; for p in $(APT_PACKAGES); do dpkg-query -W -f='$${Status}' $$p 2>/dev/null | grep -q "ok installed" || missing="$$missing $$p"; done; \
@@ -35,6 +38,14 @@ apt:
 	  DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends $$missing >/dev/null; fi
 
 venv: $(STAMP)
+
+# The unit files of the Debian packages the roles install, which tests/ops/test_unit_security.py scores with the
+# roles' drop-ins (the packages themselves are not installed here).
+$(DEBIAN_UNITS)/.ready:
+	rm -rf $(DEBIAN_UNITS).tmp && mkdir -p $(DEBIAN_UNITS).tmp $(DEBIAN_UNITS)
+	cd $(DEBIAN_UNITS).tmp && apt-get download -qq $(UNIT_PACKAGES) && for d in *.deb; do dpkg-deb -x $$d root; done
+	find $(DEBIAN_UNITS).tmp/root -path '*/systemd/system/*.service' -exec cp {} $(DEBIAN_UNITS)/ \;
+	rm -rf $(DEBIAN_UNITS).tmp && touch $@
 
 $(STAMP): pyproject.toml
 	test -x $(BIN)/python || python3 -m venv $(VENV)
@@ -50,15 +61,16 @@ lint: setup
 	yamllint -s .
 	ansible-lint --offline -q
 
-# pytest's exit code 5 ("no tests collected") fails the target like any other non-zero code.
+# pytest's exit code 5 ("no tests collected") fails the target like any other non-zero code. The slowest tests are
+# listed at the end: make test has a 45-minute budget on 2 cores.
 unit: setup
-	pytest -q
+	pytest -q --durations=15
 
 # Every scenario: `default` (site.yml on three lab nodes) and one per role. Each boots its own lab, named after the
 # scenario, so MOLECULE_JOBS of them run side by side; the longest start first so the two queues end together.
 # One line per scenario here; the whole output in artifacts/molecule/<scenario>.log (the tail of a failed one below).
 MOLECULE_JOBS ?= 2
-MOLECULE_FIRST := default training_runtime inference_service rdma os_baseline prometheus
+MOLECULE_FIRST := default training_runtime nvidia_driver inference_service firewall prometheus rdma os_baseline
 SCENARIOS := $(MOLECULE_FIRST) $(filter-out $(MOLECULE_FIRST),$(patsubst molecule/%/molecule.yml,%,$(wildcard molecule/*/molecule.yml)))
 
 molecule: setup
@@ -90,8 +102,18 @@ $(BENCH_DS_VENV)/.ready:
 bench-vs_deepspeed: setup $(BENCH_DS_VENV)/.ready
 	$(BIN)/python bench/vs_deepspeed.py --ds-python $(BENCH_DS_VENV)/bin/python $(ARGS)
 
+# The Flask + gunicorn side of the comparison is no shardstack dependency: the `bench` extra, installed here.
+bench-serve_vs_transformers: setup
+	$(BIN)/python -c 'import flask, gunicorn, transformers' 2>/dev/null || $(BIN)/pip install -q -e ".[$(EXTRAS),bench]"
+	$(BIN)/python bench/serve_vs_transformers.py $(ARGS)
+
 bench-%: setup
 	$(BIN)/python bench/$*.py $(ARGS)
+
+# The demo's pretrained model, built with the project's own commands into $(SHARDSTACK_CACHE)/pretrained (reused while
+# the recipe in shardstack/ops/pretrained.py and the corpus are unchanged; `make demo` builds it when missing).
+pretrained: setup
+	$(BIN)/shardstack pretrained $(ARGS)
 
 # The GPU path on this machine (bench/gpu_selftest.py): JSON lines, non-zero if a GPU check fails; without NVIDIA
 # hardware only its CPU part runs. Needs only python3-venv, not the lab's packages.

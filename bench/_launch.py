@@ -1,10 +1,16 @@
-"""Shared by the bench scripts: re-run the script under torchrun when it is started plainly, and build models."""
+"""Shared by the bench scripts: re-run the script under torchrun when it is started plainly, start a service and
+wait until it is ready, describe the machine."""
 
 from __future__ import annotations
 
+import contextlib
 import os
+import signal
+import socket
 import subprocess
 import sys
+import time
+from collections.abc import Callable, Iterator
 
 import torch
 
@@ -30,3 +36,31 @@ def machine() -> str:
         pass
     gpu = torch.cuda.get_device_name(0) if torch.cuda.is_available() else "no GPU"
     return f"{os.cpu_count()} × {cpu}, {gpu}, torch {torch.__version__}"
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@contextlib.contextmanager
+def service(cmd: list[str], ready: Callable[[], bool], *, timeout: float, what: str,
+            env: dict | None = None) -> Iterator[int]:
+    """Start `cmd`, poll `ready()` until it says yes, yield the pid; SIGTERM at the end (SIGKILL after 60 s)."""
+    proc = subprocess.Popen(cmd, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    try:
+        deadline = time.monotonic() + timeout
+        while not ready():
+            if proc.poll() is not None:
+                raise SystemExit(f"{what} exited with {proc.returncode}:\n{proc.stderr.read()}")
+            if time.monotonic() > deadline:
+                raise SystemExit(f"{what} did not become ready in {timeout:.0f} s")
+            time.sleep(0.2)
+        yield proc.pid
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        try:
+            proc.wait(60)
+        except subprocess.TimeoutExpired:
+            proc.kill()

@@ -19,10 +19,7 @@ import contextlib
 import json
 import os
 import random
-import signal
-import socket
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
@@ -31,6 +28,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import httpx
+from _launch import free_port, service
 
 
 @dataclass
@@ -133,37 +131,20 @@ async def run_load(url: str, *, concurrency: int, duration: float, warmup: float
     return res
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @contextlib.contextmanager
 def spawned_service(model: Path, max_concurrency: int, extra: list[str]):
-    port = _free_port()
+    port = free_port()
     cmd = [sys.executable, "-m", "shardstack", "serve", "--model", str(model), "--port", str(port),
            "--max-concurrency", str(max_concurrency), *extra]
-    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
     url = f"http://127.0.0.1:{port}"
-    try:
-        deadline = time.monotonic() + 120
-        while time.monotonic() < deadline:
-            if proc.poll() is not None:
-                raise SystemExit(f"service exited with {proc.returncode}:\n{proc.stderr.read()}")
-            with contextlib.suppress(httpx.HTTPError):
-                if httpx.get(url + "/health", timeout=1).status_code == 200:
-                    break
-            time.sleep(0.2)
-        else:
-            raise SystemExit("service did not become healthy in 120s")
-        yield url, proc.pid
-    finally:
-        proc.send_signal(signal.SIGTERM)
-        try:
-            proc.wait(60)
-        except subprocess.TimeoutExpired:
-            proc.kill()
+
+    def healthy() -> bool:
+        with contextlib.suppress(httpx.HTTPError):
+            return httpx.get(url + "/health", timeout=1).status_code == 200
+        return False
+
+    with service(cmd, healthy, timeout=120, what="the service") as pid:
+        yield url, pid
 
 
 def _cpu_seconds(pid: int) -> float:

@@ -8,16 +8,33 @@ Values are marked trusted the way Ansible marks files it loads itself, so Jinja 
 
 from __future__ import annotations
 
+import importlib.util
+import sys
 from pathlib import Path
+from types import ModuleType
 from typing import Any
 
 import yaml
 from ansible.parsing.dataloader import DataLoader
-from ansible.plugins.loader import init_plugin_loader
+from ansible.plugins.loader import add_all_plugin_dirs, init_plugin_loader
 from ansible.template import Templar, trust_as_template
 
-# Lookups in role variables and templates (fileglob, file) resolve as they do in a play.
+# Lookups in role variables and templates (fileglob, file) resolve as they do in a play, and so do the filters a
+# play sees: the roles' own filter_plugins/ and those next to the playbooks (shardstack_accelerator).
 init_plugin_loader()
+REPO = Path(__file__).resolve().parent.parent
+for _dir in [REPO / "playbooks", *sorted((REPO / "roles").iterdir())]:
+    add_all_plugin_dirs(str(_dir))
+
+
+def load_module(path: Path) -> ModuleType:
+    """A plugin or module file of a role or playbook (not a package), imported as Ansible would load it."""
+    spec = importlib.util.spec_from_file_location(path.stem, path)
+    assert spec and spec.loader
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module  # dataclasses look their module up while the class is built
+    spec.loader.exec_module(module)
+    return module
 
 
 def trusted(value: Any) -> Any:
@@ -54,7 +71,7 @@ def load_vars(path: Path) -> dict[str, Any]:
     return {**layered, **_read(path)}
 
 
-ROLES = Path(__file__).resolve().parent.parent / "roles"
+ROLES = REPO / "roles"
 
 
 class RoleEval:

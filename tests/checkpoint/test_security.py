@@ -8,6 +8,7 @@ import hashlib
 import json
 import logging
 import os
+import pathlib
 import pickle
 import shlex
 import shutil
@@ -344,3 +345,41 @@ def test_export_through_the_library_checks_the_signature(template: Path, tmp_pat
     with pytest.raises(ShardstackError, match="signature mismatch"):
         export_checkpoint(root / "step_00000004", tmp_path / "out", key=key)
     assert export_checkpoint(root, tmp_path / "out", key=key).step == 2
+
+
+class _ByName(pickle.Pickler):
+    """Pickles enum members as `getattr(cls, name)`, as Debian 12's Python 3.11.2 does (later 3.11s: `cls(value)`)."""
+
+    def __init__(self, f: Any, target: Any = None) -> None:
+        super().__init__(f)
+        self.target = target
+
+    def reducer_override(self, obj: Any) -> Any:
+        import enum
+
+        if isinstance(obj, enum.Enum):
+            return (getattr, (self.target or type(obj), obj.name))
+        return NotImplemented
+
+
+@pytest.mark.parametrize("target", ["enum", "other"])
+def test_metadata_from_a_python_that_pickles_enums_by_name(
+    tmp_path: Path, key_file: Path, capsys: pytest.CaptureFixture[str], target: str
+) -> None:
+    """A node's checkpoint is read on the controller whatever 3.11 wrote it; getattr on anything else is refused."""
+    import io
+
+    root = tmp_path / "ckpt"
+    _save(root, key_file)
+    step = root / "step_00000004"
+    md = dcp.FileSystemReader(str(step)).read_metadata()
+    buf = io.BytesIO()
+    _ByName(buf, target=pathlib.PosixPath if target == "other" else None).dump(md)
+    assert b"getattr" in buf.getvalue()
+    (step / ".metadata").write_bytes(buf.getvalue())
+    _rehash(step, load_signing_key(key_file))  # as the key holder would: only the pickle form differs
+    rc, out = _cli(capsys, "checkpoint", "verify", str(root), "--key-file", str(key_file))
+    if target == "enum":
+        assert rc == 0 and "INVALID" not in out, out
+    else:
+        assert rc == 1 and "calls getattr on something other than a checkpoint metadata enum member" in out, out

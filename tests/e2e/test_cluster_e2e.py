@@ -2,9 +2,11 @@
 
 site.yml from bare nodes, an idempotent re-run and a check-mode run (0 changed both); a 2-node ZeRO-3 job as the
 systemd unit, one worker killed mid-run and the job resuming from its last checkpoint, its metrics in Prometheus;
-export, the inference tier serving the trained model through HAProxy; one backend stopped under steady load and a
-rolling upgrade to another checkpoint under load, each with zero failed client requests and every backend's /info
-reporting the new step; a hung engine killed by systemd's watchdog and serving again.
+export, the inference tier serving the trained model through HAProxy over HTTPS (verified against the cluster CA);
+validate with no finding; one backend stopped under steady load and a rolling upgrade to another checkpoint under
+load, each with zero failed client requests and every backend's /info reporting the new step; a hung engine killed
+by systemd's watchdog and serving again; the firewall dropping what its port plan does not name; and, after all of
+it, no secret in any ansible-runner artifact or molecule file.
 
 Takes ~7–9 min on the idle 2-core host (site.yml's first run, mostly torch going into two venvs, ~3 min; its
 re-run under a minute) and up to 40 min under load. It runs with SHARDSTACK_E2E=1 (`make e2e`, a step of
@@ -13,10 +15,13 @@ re-run under a minute) and up to 40 min under load. It runs with SHARDSTACK_E2E=
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import json
 import os
 import statistics
+import subprocess
+import sys
 import threading
 import time
 import urllib.parse
@@ -25,11 +30,13 @@ from collections import Counter
 from pathlib import Path
 
 import pytest
+from shardstack.cli.deploy import _gpu_cell
 from shardstack.cli.output import Progress
 from shardstack.lab import lab
 from shardstack.ops import cluster, serve, train
 from shardstack.ops.runner import RunResult, project_dir, run_command, run_playbook
 from shardstack.ops.train import demo_job
+from shardstack.ops.validate import run_validate
 from shardstack.ops.wheelhouse import build as build_wheelhouse
 
 pytestmark = [
@@ -77,20 +84,40 @@ def lab3(tmp_path_factory: pytest.TempPathFactory):
         assert lab.leftovers(LAB) == []
 
 
-def test_site_first_run_then_idempotent(lab3: Cluster) -> None:
+def test_site_first_run_then_idempotent(lab3: Cluster, tmp_path: Path) -> None:
     first = lab3.site()
     assert first.success, {h: (r.failed_task, r.message) for h, r in first.hosts.items() if not r.success}
     again = lab3.site()
-    # `deploy --check` on the converged cluster: every task must run in check mode and predict no change.
-    check = run_playbook("site.yml", lab3.inventory, extravars=lab3.extravars, check=True)
+    check = _deploy_check_from_a_wheel(lab3, tmp_path)
     print(f"\nsite.yml on 3 lab nodes: first run {first.seconds:.0f}s ({first.changed} changed), "
-          f"re-run {again.seconds:.0f}s ({again.changed} changed), check mode {check.seconds:.0f}s "
-          f"({check.changed} changed)")
+          f"re-run {again.seconds:.0f}s ({again.changed} changed), check mode from a wheel {check['seconds']:.0f}s "
+          f"({check['changed']} changed)")
     assert again.success
     assert again.changed == 0, {h: r.changed for h, r in again.hosts.items() if r.changed}
-    assert check.success, {h: (r.failed_task, r.message) for h, r in check.hosts.items() if not r.success}
-    assert check.changed == 0, {h: r.changed for h, r in check.hosts.items() if r.changed}
-    assert set(first.hosts) == set(lab3.inv["groups"]["all"])
+    # Every task runs in check mode and predicts no change on the converged cluster.
+    assert check["success"], {h: (r["failed_task"], r["message"]) for h, r in check["hosts"].items()
+                                if r["failed"] or r["unreachable"]}
+    assert check["changed"] == 0, {h: r["changed"] for h, r in check["hosts"].items() if r["changed"]}
+    assert set(first.hosts) == set(lab3.inv["groups"]["all"]) == set(check["hosts"])
+
+
+def _deploy_check_from_a_wheel(lab3: Cluster, tmp: Path) -> dict:
+    """`pip install shardstack[ops]` from a freshly built wheel into a new venv, then `shardstack deploy --check`
+    from a directory outside the checkout: the wheel's own copy of site.yml and the roles does the run."""
+    subprocess.run([sys.executable, "-m", "pip", "wheel", "-q", "--no-deps", "-w", str(tmp / "dist"),
+                    str(project_dir())], check=True)
+    wheel = next((tmp / "dist").glob("shardstack-*.whl"))
+    subprocess.run(["python3", "-m", "venv", str(tmp / "venv")], check=True)
+    subprocess.run([str(tmp / "venv/bin/pip"), "install", "-q", f"{wheel}[ops]"], check=True)
+    env = {k: v for k, v in os.environ.items() if k not in ("SHARDSTACK_HOME", "ANSIBLE_CONFIG", "VIRTUAL_ENV")}
+    env.update(SHARDSTACK_STATE_DIR=str(tmp / "state"), PATH=os.defpath)
+    extra = [a for k, v in lab3.extravars.items() for a in ("-e", f"{k}={v}")]
+    proc = subprocess.run([str(tmp / "venv/bin/shardstack"), "deploy", "-i", str(lab3.inventory), "--check",
+                           "--json", *extra], cwd=tmp, env=env, capture_output=True, text=True, timeout=3600)
+    assert proc.returncode in (0, 1), proc.stderr[-3000:]  # 1: hosts failed, reported in the JSON
+    result = json.loads(proc.stdout)
+    assert Path(result["artifact_dir"]).is_relative_to(tmp / "state")  # nothing written into site-packages
+    return result
 
 
 def _prometheus_max(inv: dict, metric: str) -> float | None:
@@ -140,17 +167,30 @@ def test_export_and_serve_through_the_load_balancer(lab3: Cluster) -> None:
     assert f"exported step {STEPS}" in exp.output, exp.output
     ro = serve.rollout(lab3.inventory, extravars=lab3.extravars)
     assert ro.success, {h: (r.failed_task, r.message) for h, r in ro.hosts.items()}
-    url, token = cluster.lb_url(lab3.inventory), cluster.load_token(lab3.inventory)
-    assert token
-    unauth = cluster.complete(url, "The ", token=None, max_tokens=4)
+    ep = cluster.endpoint(lab3.inventory)
+    assert ep.token and ep.url.startswith("https://") and ep.cafile and ep.cafile.is_file()
+    unauth = cluster.complete(dataclasses.replace(ep, token=None), "The ", max_tokens=4)
     assert unauth.status == 401
     # Sampled like the demo: greedy decoding of a few hundred CPU steps repeats spaces.
-    answers = [cluster.complete(url, "The ", token=token, max_tokens=16, temperature=0.8) for _ in range(10)]
+    answers = [cluster.complete(ep, "The ", max_tokens=16, temperature=0.8) for _ in range(10)]
     assert all(a.status == 200 for a in answers), [a.body for a in answers if a.status != 200]
     assert all(len(a.text) > 0 for a in answers)
     p50 = statistics.median(a.seconds for a in answers)
-    print(f"\ncompletion through the load balancer: p50 {p50 * 1e3:.0f} ms, text {answers[0].text!r}")
+    print(f"\ncompletion through the load balancer at {ep.url} (TLS, CA {ep.cafile.name}): p50 {p50 * 1e3:.0f} ms, "
+          f"text {answers[0].text!r}")
     assert p50 < 0.5
+
+
+def test_validate_finds_nothing_on_the_lab(lab3: Cluster) -> None:
+    """`shardstack validate` on the served cluster: every node a CPU node, gloo across the two train nodes."""
+    res, findings = run_validate(lab3.inventory)
+    gpu, ar = res.data.get("validate_gpu") or {}, res.data.get("validate_allreduce") or {}
+    print(f"\nvalidate in {res.seconds:.0f}s: findings {findings}; all-reduce {ar.get('backend')} over "
+          f"{ar.get('nodes')} nodes, busbw {ar.get('busbw_gbps', 0):.2f} Gbit/s")
+    assert findings == [], findings
+    assert set(gpu) == set(lab3.inv["groups"]["train_nodes"]) | set(lab3.inv["groups"]["inference_nodes"])
+    assert all(_gpu_cell(r).startswith("no NVIDIA hardware (CPU node)") for r in gpu.values()), gpu
+    assert ar["backend"] == "gloo" and ar["nodes"] == ar["world_size"] == 2 and ar["correct"] is True
 
 
 class Load:
@@ -158,8 +198,8 @@ class Load:
     counting every status (-1 = connection error). The total stays below the load balancer's per-address rate
     limit (loadbalancer_rate_limit_requests per period, 60/s by default), above which it answers 429 by design."""
 
-    def __init__(self, url: str, token: str, clients: int = 4, rate: float = 40.0) -> None:
-        self.url, self.token, self.clients = url, token, clients
+    def __init__(self, ep: cluster.Endpoint, clients: int = 4, rate: float = 40.0) -> None:
+        self.ep, self.clients = ep, clients
         self.interval = clients / rate
         self.codes: Counter[int] = Counter()
         self.stop = threading.Event()
@@ -169,7 +209,7 @@ class Load:
     def _run(self) -> None:
         while not self.stop.is_set():
             started = time.monotonic()
-            c = cluster.complete(self.url, "Once ", token=self.token, max_tokens=8, timeout=60)
+            c = cluster.complete(self.ep, "Once ", max_tokens=8, timeout=60)
             with self.lock:
                 self.codes[c.status] += 1
             self.stop.wait(self.interval - (time.monotonic() - started))
@@ -188,9 +228,9 @@ class Load:
 
 
 def test_stopping_a_backend_under_load_fails_no_request(lab3: Cluster) -> None:
-    url, token = cluster.lb_url(lab3.inventory), cluster.load_token(lab3.inventory)
+    ep = cluster.endpoint(lab3.inventory)
     victim = lab3.inv["groups"]["inference_nodes"][-1]
-    with Load(url, token) as load:
+    with Load(ep) as load:
         stopped = run_command(["systemctl", "stop", "shardstack-inference.service"], lab3.inventory, victim)
         assert stopped[victim].success
         time.sleep(5)
@@ -202,29 +242,29 @@ def test_stopping_a_backend_under_load_fails_no_request(lab3: Cluster) -> None:
     assert set(load.codes) == {200}, dict(load.codes)
 
 
-def _infos(url: str, token: str, n: int = 12) -> list[dict]:
+def _infos(ep: cluster.Endpoint, n: int = 12) -> list[dict]:
     """/info through the load balancer n times (leastconn alternates between idle backends)."""
     out = []
     for _ in range(n):
-        req = urllib.request.Request(f"{url}/info", headers={"Authorization": f"Bearer {token}"})
-        with urllib.request.urlopen(req, timeout=10) as resp:
-            out.append(json.load(resp))
+        status, body = ep.call("GET", "/info", timeout=10)
+        assert status == 200, body
+        out.append(json.loads(body))
     return out
 
 
 def test_rollout_to_another_step_under_load_fails_no_request(lab3: Cluster) -> None:
-    url, token = cluster.lb_url(lab3.inventory), cluster.load_token(lab3.inventory)
+    ep = cluster.endpoint(lab3.inventory)
     backends = set(lab3.inv["groups"]["inference_nodes"])
-    before = _infos(url, token)
+    before = _infos(ep)
     assert {i["host"] for i in before} == backends and {i["step"] for i in before} == {STEPS}
     # A different model for the upgrade: the job's previous checkpoint (keep: 2 leaves the last two).
     previous = STEPS - 20
     step_dir = f"{cluster.shared_dir(lab3.inv)}/checkpoints/{JOB}/step_{previous:08d}"
     exp = cluster.export_current(lab3.inventory, step_dir, f"{JOB}-{previous}")
     assert f"exported step {previous}" in exp.output, exp.output
-    with Load(url, token) as load:
+    with Load(ep) as load:
         ro = serve.rollout(lab3.inventory, extravars=lab3.extravars)
-    after = _infos(url, token)
+    after = _infos(ep)
     print(f"\nserve rollout to step {previous} under load in {ro.seconds:.0f}s: {dict(load.codes)}; "
           f"/info after: {sorted((i['host'], i['step']) for i in after)}")
     assert ro.success, {h: (r.failed_task, r.message) for h, r in ro.hosts.items()}
@@ -274,23 +314,21 @@ def test_a_hung_engine_is_killed_by_the_watchdog_and_serves_again(lab3: Cluster)
     assert run_command(["sh", "-c", disarm], lab3.inventory, victim)[victim].success
     state = _backend_show(lab3, victim, "ActiveState,SubState")
     assert state == {"ActiveState": "active", "SubState": "running"}, state
-    url, token = cluster.lb_url(lab3.inventory), cluster.load_token(lab3.inventory)
+    ep = cluster.endpoint(lab3.inventory)
     deadline = time.monotonic() + 60
-    while {i["host"] for i in _infos(url, token, 6)} != set(lab3.inv["groups"]["inference_nodes"]):
+    while {i["host"] for i in _infos(ep, 6)} != set(lab3.inv["groups"]["inference_nodes"]):
         assert time.monotonic() < deadline, "the restarted backend did not come back behind the load balancer"
         time.sleep(2)
-    answers = [cluster.complete(url, "The ", token=token, max_tokens=8) for _ in range(6)]
+    answers = [cluster.complete(ep, "The ", max_tokens=8) for _ in range(6)]
     print(f"\n{victim}: engine hung, killed by the watchdog after {waited:.0f}s (client saw "
           f"{hung.stdout.strip() or 'no error'}), NRestarts {restarts} -> {after}; then {[a.status for a in answers]}")
     assert all(a.status == 200 for a in answers)
 
 
-# Cordon and status (issue 16). Kept last and self-contained so they can be dropped without touching the rest.
+# Cordon and status (issue 16). Self-contained so they can be dropped without touching the rest; before the
+# firewall test and the secrets scan, which stays last (it reads the artifacts cordon's ad-hoc commands leave).
 def _status_json(lab3: Cluster) -> dict:
     """`shardstack status --json` as the operator runs it."""
-    import subprocess
-    import sys
-
     proc = subprocess.run([sys.executable, "-m", "shardstack", "status", "--json", "-i", str(lab3.inventory)],
                           capture_output=True, text=True, timeout=120, check=False)
     assert proc.returncode == 0, proc.stderr
@@ -301,16 +339,16 @@ def test_cordon_an_inference_node_under_load_fails_no_request(lab3: Cluster) -> 
     from shardstack.ops import cordon
 
     inv = lab3.inv
-    url, token = cluster.lb_url(lab3.inventory), cluster.load_token(lab3.inventory)
+    ep = cluster.endpoint(lab3.inventory)
     backends = set(inv["groups"]["inference_nodes"])
     victim = sorted(backends)[-1]
     socket = str(cluster.setting(inv, "loadbalancer_admin_socket", "loadbalancer", "loadbalancer"))
-    with Load(url, token) as load:
+    with Load(ep) as load:
         out = cordon.apply(victim, "cordon", lab3.inventory, inv["groups"], socket=socket)
         assert out.load_balancers == inv["groups"]["loadbalancer"]
         time.sleep(3)
         drained = _status_json(lab3)
-        answered = {i["host"] for i in _infos(url, token)}
+        answered = {i["host"] for i in _infos(ep)}
         cordon.apply(victim, "uncordon", lab3.inventory, inv["groups"], socket=socket)
         time.sleep(3)
         restored = _status_json(lab3)
@@ -340,3 +378,81 @@ def test_status_json_matches_the_lab(lab3: Cluster) -> None:
     # The systemd collector is on by default, so failed units are a list (whatever a lab container has failed).
     assert isinstance(st["failed_units"], list)
     assert not [u for u in st["failed_units"] if u["unit"].startswith("shardstack-")], st["failed_units"]
+
+
+# Prints 'open', 'refused' or 'dropped' (no answer in 3 s) for a TCP connection to argv[1]:argv[2].
+_PROBE = ("import socket, sys\ntry:\n    socket.create_connection((sys.argv[1], int(sys.argv[2])), timeout=3).close()\n"
+          "    print('open')\nexcept ConnectionRefusedError:\n    print('refused')\nexcept TimeoutError:\n"
+          "    print('dropped')\n")
+
+
+def _connect(inventory: Path, src: str | None, addr: str, port: int) -> str:
+    """_PROBE from lab node `src`, or from the controller when src is None."""
+    argv = ["python3", "-c", _PROBE, addr, str(port)]
+    if src is None:
+        return subprocess.run(argv, capture_output=True, text=True, check=True).stdout.strip()
+    res = run_command(argv, inventory, src)[src]
+    assert res.success, res
+    return res.stdout.strip()
+
+
+def test_the_firewall_admits_the_plan_and_drops_the_rest(lab3: Cluster) -> None:
+    """The port plan on the running cluster: node_exporter (9100) answers the Prometheus host and drops every other
+    node and the controller; a backend's inference port answers the load balancer and drops a train node."""
+    inv = lab3.inv
+    groups = inv["groups"]
+    mon = groups["monitoring_server"][0]
+    target, outsider = [h for h in groups["all"] if h != mon][:2]
+    addr = cluster.address(inv, target)
+    assert _connect(lab3.inventory, mon, addr, 9100) == "open"
+    assert _connect(lab3.inventory, outsider, addr, 9100) == "dropped"
+    assert _connect(lab3.inventory, None, addr, 9100) == "dropped"
+    backend = groups["inference_nodes"][-1]
+    train_only = next(h for h in groups["train_nodes"] if h not in groups["loadbalancer"] and h != backend)
+    lb = groups["loadbalancer"][0]
+    backend_addr = cluster.address(inv, backend)
+    assert _connect(lab3.inventory, lb, backend_addr, 8000) == "open"
+    assert _connect(lab3.inventory, train_only, backend_addr, 8000) == "dropped"
+    print(f"\nfirewall: {target}:9100 open to {mon}, dropped from {outsider} and the controller; "
+          f"{backend}:8000 open to {lb}, dropped from {train_only}")
+
+
+def _secrets(credentials: Path) -> dict[str, str]:
+    """What must never be logged, from a controller store: generated tokens and passwords, and each line of a key."""
+    found = {}
+    for path in sorted(credentials.glob("*.txt")):
+        text = path.read_text()
+        if "PRIVATE KEY" in text:
+            lines = enumerate(text.splitlines())
+            found.update({f"{path.name} line {i}": line for i, line in lines if "-----" not in line})
+        elif "-----BEGIN" not in text and text.strip():
+            found[path.name] = text.strip()
+    return found
+
+
+def test_no_secret_in_any_runner_artifact_or_molecule_file(lab3: Cluster) -> None:
+    """Last: every ansible-runner artifact of the project (this module's deploys, check run, job, rollouts, ad-hoc
+    commands) and every file molecule keeps for this checkout's scenarios, searched for this cluster's secrets and
+    for each scenario's own, the credential stores themselves excepted."""
+    from molecule.text import checksum
+
+    # Molecule's ephemeral directories for this checkout (one per scenario; it names them after the project's
+    # directory). A scenario's credentials live there until its destroy prunes them.
+    molecule = sorted((Path.home() / ".ansible" / "tmp").glob(f"molecule.{checksum(project_dir().name, 4)}.*"))
+    stores = [lab3.inventory.parent / "credentials", *(m / "inventory" / "credentials" for m in molecule)]
+    secrets = {f"{store}: {name}": value for store in stores if store.is_dir()
+               for name, value in _secrets(store).items()}
+    assert any("inference-token.txt" in k for k in secrets) and any("cluster-ca.key.txt" in k for k in secrets)
+    assert any("loadbalancer-stats.txt" in k for k in secrets)
+    places = [project_dir() / "artifacts", *molecule]
+    files = [p for place in places if place.is_dir() for p in place.rglob("*")
+             if p.is_file() and not any(store in p.parents for store in stores)]
+    leaks = {}
+    for path in files:
+        text = path.read_text(errors="replace")
+        hits = [name for name, value in secrets.items() if value in text]
+        if hits:
+            leaks[str(path)] = hits
+    print(f"\nsecrets scan: {len(secrets)} secret(s) from {len(stores)} store(s), {len(files)} file(s) under "
+          f"{', '.join(str(p) for p in places if p.is_dir())}: {len(leaks)} leak(s)")
+    assert not leaks, leaks

@@ -49,8 +49,13 @@ def test_no_rank_holds_the_full_model(memory) -> None:
         # Its shards of weights and gradients (0.5) plus what FSDP gathers for the step: never a full model's worth.
         assert frac["forward_backward"] < 1.0
         # AdamW's state is 2Ψ·4 B / 4 ranks: with it the sharded state alone is 16Ψ/4 = 4Ψ bytes at 4 ranks — the
-        # arithmetic of ZeRO-3 with fp32 AdamW, not a gathered model. The estimator's stage-3 peak bounds it.
-        assert frac["step"] < 1.24
+        # arithmetic of ZeRO-3 with fp32 AdamW, not a gathered model — plus the temporaries of the AdamW kernels the
+        # run uses (foreach on CPU). The estimator's first-step peak for the same run bounds it.
+        est = meta["estimated_first_step_peak"]
+        print(f"rank {r}: first step {(meta['step'] - meta['baseline']) / mib:.0f} MiB, estimated {est / mib:.0f} MiB "
+              f"(AdamW {meta['optimizer_impl']})")
+        assert meta["step"] - meta["baseline"] < 1.1 * est
+        assert est < 1.5 * full  # what the bound allows is still far from a gathered model plus its state (5Ψ·4 B)
     assert len({m["loss"] for m in memory["meta"]}) == 1
 
 

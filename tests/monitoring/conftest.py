@@ -6,7 +6,6 @@ are exactly what the roles write on a node.
 
 from __future__ import annotations
 
-import importlib.util
 import shutil
 import subprocess
 from pathlib import Path
@@ -14,7 +13,7 @@ from types import ModuleType
 from typing import Any
 
 import pytest
-from ansible_vars import RoleEval
+from ansible_vars import RoleEval, load_module
 
 REPO = Path(__file__).resolve().parents[2]
 ROLES = REPO / "roles"
@@ -45,13 +44,8 @@ def run(*argv: str) -> subprocess.CompletedProcess[str]:
 
 
 def load_filter_module() -> ModuleType:
-    """The prometheus role's filter plugin, imported from its file (it is not a package)."""
-    path = ROLES / "prometheus" / "filter_plugins" / "prometheus_targets.py"
-    spec = importlib.util.spec_from_file_location("prometheus_targets", path)
-    assert spec and spec.loader
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    """The prometheus role's filter plugin."""
+    return load_module(ROLES / "prometheus" / "filter_plugins" / "prometheus_targets.py")
 
 
 def role_vars(role: str, **overrides: Any) -> RoleEval:

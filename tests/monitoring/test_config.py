@@ -45,7 +45,7 @@ def test_targets_from_the_sample_inventory() -> None:
                                    ("ops01", "192.0.2.31:9100"), ("store01", "192.0.2.21:9100")]
     # ops01 is both monitoring server and load balancer: scraped once per job, at the address it was given once.
     assert got["prometheus"] == [("ops01", "192.0.2.31:9090")]
-    assert got["loadbalancer"] == [("ops01", "192.0.2.31:8404")]
+    assert got["loadbalancer"] == [("ops01", "192.0.2.31:8405")]
     # c10d may put rank 0 (the one serving metrics) on any train node.
     assert got["trainer"] == [("gpu01", "192.0.2.11:9400"), ("gpu02", "192.0.2.12:9400")]
     assert got["inference"] == [("gpu03", "192.0.2.13:8000"), ("gpu04", "192.0.2.14:8000")]

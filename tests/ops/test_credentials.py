@@ -1,24 +1,44 @@
 """Controller-side secrets live beside the inventory, must never be read back as inventory, and clients find the
-token where the inference_service role keeps it."""
+token and the CA certificate where the roles keep them."""
 
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
 import yaml
 from ansible import constants as C
 from shardstack.errors import ShardstackError
-from shardstack.ops.cluster import load_token
+from shardstack.ops.cluster import CLUSTER_CA, endpoint, load_ca, load_token
+
+from .conftest import role_value, store_files
 
 ROOT = Path(__file__).resolve().parents[2]
 
 
-def test_token_store_is_ignored_when_the_inventory_is_a_directory() -> None:
-    # A directory inventory (molecule's, or `-i inventory/prod/`) is parsed file by file; a bare token would be
-    # read as a host named after the secret.
-    store = yaml.safe_load((ROOT / "roles/inference_service/defaults/main.yml").read_text())[
-        "inference_service_token_store"]
+def test_controller_stores_are_ignored_when_the_inventory_is_a_directory(tmp_path: Path) -> None:
+    # A directory inventory (molecule's, or `-i inventory/prod/`) is parsed file by file, subdirectories included:
+    # a bare token would be read as a host named after the secret, a PEM file as hosts named after key lines.
+    stores = [role_value("inference_service", "inference_service_token_store", inventory_dir="/inv"),
+              role_value("loadbalancer", "loadbalancer_stats_password_store", inventory_dir="/inv"),
+              *map(str, store_files(Path("/inv/credentials"), "lb").values())]
     ignored = C.INVENTORY_IGNORE_EXTS
-    assert any(store.endswith(ext) for ext in ignored), (store, ignored)
+    assert all(Path(s).parent == Path("/inv/credentials") for s in stores), stores
+    assert all(any(s.endswith(ext) for ext in ignored) for s in stores), (stores, ignored)
+    assert store_files(Path("/inv/credentials"), "lb")["ca_cert"].name == CLUSTER_CA  # where clients look
+    # And for real: an inventory directory holding every one of them still lists just its hosts, and no file in
+    # credentials/ is even tried (the directory itself, left empty of sources, only gets a warning).
+    inv = tmp_path / "inv"
+    (inv / "credentials").mkdir(parents=True)
+    (inv / "hosts.yml").write_text(yaml.safe_dump({"all": {"hosts": {"n1": {}}}}))
+    pem = "-----BEGIN PRIVATE KEY-----\nMC4CAQAwBQ\n-----END PRIVATE KEY-----\n"
+    for s in stores:
+        (inv / "credentials" / Path(s).name).write_text(pem)
+    proc = subprocess.run([str(Path(sys.executable).parent / "ansible-inventory"), "-i", str(inv), "--list"],
+                          capture_output=True, text=True)
+    assert proc.returncode == 0 and "credentials/" not in proc.stderr, proc.stderr
+    groups = yaml.safe_load(proc.stdout)
+    assert {h for name, g in groups.items() if name != "_meta" for h in g.get("hosts", [])} == {"n1"}
 
 
 def _inventory(tmp_path: Path, **inference_vars: str) -> Path:
@@ -65,3 +85,33 @@ def test_clients_read_cluster_settings_as_the_roles_do(tmp_path: Path) -> None:
     assert setting(found, "training_runtime_venv", "training_runtime", "train_nodes") == "/opt/shardstack/venv"
     with pytest.raises(ShardstackError, match=r"loadbalancer_port=.*is a template"):
         setting(found, "loadbalancer_port", "loadbalancer", "loadbalancer")
+
+
+def _lb_inventory(tmp_path: Path, **lb_vars: object) -> Path:
+    inv = tmp_path / "inv" / "hosts.yml"
+    inv.parent.mkdir(parents=True)
+    inv.write_text(yaml.safe_dump({"all": {"children": {
+        "inference_nodes": {"hosts": {"n2": {}}},
+        "loadbalancer": {"hosts": {"n1": {"ansible_host": "10.0.0.1"}}, "vars": lb_vars}}}}))
+    return inv
+
+
+def test_clients_find_the_ca_where_the_role_keeps_it(tmp_path: Path) -> None:
+    inv = _lb_inventory(tmp_path)
+    assert load_ca(inv) == inv.parent / "credentials" / CLUSTER_CA
+    ep = endpoint(inv)
+    assert (ep.url, ep.token, ep.cafile) == ("https://10.0.0.1", None, inv.parent / "credentials" / CLUSTER_CA)
+    # Not deployed yet: the first request says so in one line, without a traceback.
+    with pytest.raises(ShardstackError, match=r"(?s)no CA certificate at .*deploy it first"):
+        ep.call("GET", "/health")
+
+
+def test_clients_follow_an_overridden_ca_store_port_or_certificate(tmp_path: Path) -> None:
+    moved = _lb_inventory(tmp_path / "a", loadbalancer_tls_store="{{ inventory_dir }}/pki", loadbalancer_tls_port=8443)
+    assert load_ca(moved) == moved.parent / "pki" / CLUSTER_CA
+    assert endpoint(moved).url == "https://10.0.0.1:8443"
+    named = _lb_inventory(tmp_path / "b", loadbalancer_tls_cert="/pki/lb.crt", loadbalancer_tls_key="/pki/lb.key",
+                          loadbalancer_tls_ca="/pki/ca.crt")
+    assert load_ca(named) == Path("/pki/ca.crt")
+    public = _lb_inventory(tmp_path / "c", loadbalancer_tls_cert="/pki/lb.crt", loadbalancer_tls_key="/pki/lb.key")
+    assert load_ca(public) is None  # an own certificate without a CA named: the system's trust store

@@ -1,27 +1,47 @@
 """The load balancer's haproxy.cfg, rendered from the role and run by the real HAProxy on loopback in front of
-two small HTTP backends: active health checks, retries of 503/refused requests on the other server, and the
-per-client rate limit answering 429."""
+two small HTTP backends, with a certificate issued by the role's own module: HTTPS only (TLS 1.2+, HSTS, the plain
+port a 301), active health checks, retries of 503/refused requests on the other server, per-server connection
+limits with queueing, the per-client rate limit, HAProxy's own 429/503 in the inference service's error shape,
+X-Forwarded-For, the stats page behind a password and /metrics on a listener of its own. The clients are
+`shardstack.ops.cluster`'s, trusting the cluster CA."""
 
 from __future__ import annotations
 
+import base64
+import contextlib
+import dataclasses
+import http.client
 import http.server
 import json
+import os
 import shutil
 import socket
+import ssl
 import subprocess
+import sys
 import threading
 import time
 import urllib.error
 import urllib.request
 from collections import Counter
 from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
+import yaml
+from shardstack.errors import ShardstackError
+from shardstack.ops.cluster import Endpoint, complete
+from shardstack.ops.runner import run_playbook
+from shardstack.serve.protocol import ApiError
 
-from .conftest import render
+from .conftest import REPO, issue, render, store_files
 
 HAPROXY = shutil.which("haproxy") or "/usr/sbin/haproxy"
+STATS_PASSWORD = "stats-pass-for-tests"
+# What the inference service itself would answer (docs/serving.md, "Errors"): HAProxy's own bodies must be these.
+RATE_LIMITED = ApiError(429, "rate limit exceeded; retry later", code="rate_limit_exceeded")
+UNAVAILABLE = ApiError(503, "no inference replica is available; retry later", code="unavailable")
 
 
 def free_port() -> int:
@@ -31,10 +51,11 @@ def free_port() -> int:
 
 
 class Backend(http.server.ThreadingHTTPServer):
-    """/health answers `health`; POST answers `post` with the backend's name (503 = draining)."""
+    """/health answers `health`; POST answers `post` with the backend's name (503 = draining) after `delay` s."""
 
     def __init__(self, addr: str, port: int, name: str) -> None:
-        self.name, self.health, self.post, self.hits = name, 200, 200, Counter()
+        self.name, self.health, self.post, self.delay, self.hits = name, 200, 200, 0.0, Counter()
+        self.forwarded: list[str | None] = []
         super().__init__((addr, port), _Handler)
         threading.Thread(target=self.serve_forever, daemon=True).start()
 
@@ -58,28 +79,26 @@ class _Handler(http.server.BaseHTTPRequestHandler):
 
     def do_POST(self) -> None:
         self.rfile.read(int(self.headers.get("Content-Length", 0)))
+        self.server.forwarded.append(self.headers.get("X-Forwarded-For"))
+        time.sleep(self.server.delay)
         self.server.hits[self.server.post] += 1
-        self._send(self.server.post, {"backend": self.server.name})
+        self._send(self.server.post, {"backend": self.server.name, "choices": [{"text": self.server.name}]})
 
     def log_message(self, *args: object) -> None:
         pass
 
 
-def post(url: str) -> tuple[int, dict, dict]:
-    req = urllib.request.Request(url, data=b'{"prompt": "x"}', method="POST",
-                                 headers={"Content-Type": "application/json"})
-    try:
-        with urllib.request.urlopen(req, timeout=10) as resp:
-            return resp.status, json.load(resp), {k.lower(): v for k, v in resp.headers.items()}
-    except urllib.error.HTTPError as exc:
-        return exc.code, json.loads(exc.read() or b"{}"), {k.lower(): v for k, v in exc.headers.items()}
+def stats_crypt(password: str) -> str:
+    """The hash the role's credentials task puts in HAProxy's userlist (openssl passwd -6)."""
+    return subprocess.run(["openssl", "passwd", "-6", "-salt", "0123456789abcdef", "-stdin"], input=password,
+                          capture_output=True, text=True, check=True).stdout.strip()
 
 
-def wait_up(stats: str, servers: set[str], timeout: float = 15) -> None:
-    deadline = time.monotonic() + timeout
+def wait_up(metrics: str, servers: set[str], timeout: float = 15) -> None:
+    deadline, up = time.monotonic() + timeout, set()
     while time.monotonic() < deadline:
         try:
-            text = urllib.request.urlopen(f"{stats}/metrics", timeout=2).read().decode()
+            text = urllib.request.urlopen(metrics, timeout=2).read().decode()
         except OSError:
             text = ""
         up = {line.split('server="')[1].split('"')[0] for line in text.splitlines()
@@ -90,19 +109,25 @@ def wait_up(stats: str, servers: set[str], timeout: float = 15) -> None:
     raise AssertionError(f"servers UP in HAProxy: {up}, wanted {servers}")
 
 
-@pytest.fixture
-def lb(tmp_path: Path) -> Iterator[dict]:
+@contextlib.contextmanager
+def running_haproxy(tmp_path: Path, files: dict[str, Path], backends: dict[str, str], backend_port: int,
+                    stats_password: str = STATS_PASSWORD, **overrides: object) -> Iterator[dict]:
+    """HAProxy with the role's configuration on 127.0.0.1, serving `files`' certificate; yields its addresses."""
     if not Path(HAPROXY).exists():
         pytest.fail("haproxy not found: apt-get install haproxy (the loadbalancer role's package)")
-    backend_port, port, stats_port = free_port(), free_port(), free_port()
-    a, b = Backend("127.0.0.2", backend_port, "a"), Backend("127.0.0.3", backend_port, "b")
-    cfg = render("loadbalancer", "haproxy.cfg.j2",
-                 groups={"inference_nodes": ["a", "b"]},
-                 hostvars={"a": {"ansible_host": "127.0.0.2"}, "b": {"ansible_host": "127.0.0.3"}},
-                 loadbalancer_bind="127.0.0.1", loadbalancer_port=port, loadbalancer_stats_bind="127.0.0.1",
-                 loadbalancer_stats_port=stats_port, loadbalancer_backend_port=backend_port,
-                 loadbalancer_admin_socket=str(tmp_path / "admin.sock"), loadbalancer_health_interval_ms=200,
-                 loadbalancer_rate_limit_requests=40)
+    ports = {"loadbalancer_port": free_port(), "loadbalancer_tls_port": free_port(),
+             "loadbalancer_stats_port": free_port(), "loadbalancer_metrics_port": free_port()}
+    ports.update({k: overrides.pop(k) for k in list(overrides) if k in ports})
+    pem = tmp_path / "lb.pem"
+    pem.write_text(files["cert"].read_text() + files["key"].read_text())
+    pem.chmod(0o600)
+    variables = {"inventory_hostname": "lb", "groups": {"inference_nodes": sorted(backends)},
+                 "hostvars": {name: {"ansible_host": addr} for name, addr in backends.items()},
+                 "loadbalancer_bind": "127.0.0.1", "loadbalancer_stats_bind": "127.0.0.1",
+                 "loadbalancer_tls_pem": str(pem), "loadbalancer_backend_port": backend_port,
+                 "loadbalancer_admin_socket": str(tmp_path / "admin.sock"), "loadbalancer_health_interval_ms": 200,
+                 "__loadbalancer_stats_crypt": {"stdout": stats_crypt(stats_password)}, **ports, **overrides}
+    cfg = render("loadbalancer", "haproxy.cfg.j2", **variables)
     # Not as a daemon, not chrooted, not switching users: the test's own process tree, cleaned up below.
     local_only = ("daemon", "chroot /var/lib/haproxy", "user haproxy", "group haproxy")
     cfg = "\n".join(line for line in cfg.splitlines() if line.strip() not in local_only) + "\n"
@@ -110,58 +135,268 @@ def lb(tmp_path: Path) -> Iterator[dict]:
     path.write_text(cfg)
     check = subprocess.run([HAPROXY, "-c", "-f", str(path)], capture_output=True, text=True)
     assert check.returncode == 0, check.stderr
-    proc = subprocess.Popen([HAPROXY, "-db", "-f", str(path)], stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
-    stats = f"http://127.0.0.1:{stats_port}"
+    proc = subprocess.Popen([HAPROXY, "-db", "-f", str(path)], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    lb = {"https": f"https://127.0.0.1:{ports['loadbalancer_tls_port']}",
+          "http": ("127.0.0.1", ports["loadbalancer_port"]),
+          "stats": f"https://127.0.0.1:{ports['loadbalancer_stats_port']}/stats",
+          "metrics": f"http://127.0.0.1:{ports['loadbalancer_metrics_port']}/metrics",
+          "ports": ports, "cfg": cfg}
     try:
-        wait_up(stats, {"a", "b"})
-        yield {"url": f"http://127.0.0.1:{port}/v1/completions", "stats": stats, "a": a, "b": b}
+        yield lb
     finally:
         proc.terminate()
         proc.wait(timeout=10)
-        a.shutdown()
-        b.shutdown()
-        a.server_close()
-        b.server_close()
+
+
+@pytest.fixture
+def lb(tmp_path: Path) -> Iterator[dict]:
+    files = issue(tmp_path / "credentials", "lb", ["lb", "127.0.0.1"])
+    backend_port = free_port()
+    a, b = Backend("127.0.0.2", backend_port, "a"), Backend("127.0.0.3", backend_port, "b")
+    try:
+        with running_haproxy(tmp_path, files, {"a": "127.0.0.2", "b": "127.0.0.3"}, backend_port,
+                             loadbalancer_rate_limit_requests=40) as running:
+            wait_up(running["metrics"], {"a", "b"})
+            yield {**running, "a": a, "b": b, "ep": Endpoint(running["https"], None, files["ca_cert"]),
+                   "files": files}
+    finally:
+        for server in (a, b):
+            server.shutdown()
+            server.server_close()
+
+
+def post(lb: dict, headers: dict[str, str] | None = None) -> tuple[int, bytes, dict[str, str]]:
+    """POST /v1/completions over HTTPS, trusting the cluster CA: (status, raw body, lower-cased headers)."""
+    req = urllib.request.Request(f"{lb['https']}/v1/completions", data=b'{"prompt": "x"}', method="POST",
+                                 headers={"Content-Type": "application/json", **(headers or {})})
+    try:
+        with urllib.request.urlopen(req, timeout=10, context=lb["ep"].tls) as resp:
+            return resp.status, resp.read(), {k.lower(): v for k, v in resp.headers.items()}
+    except urllib.error.HTTPError as exc:
+        return exc.code, exc.read(), {k.lower(): v for k, v in exc.headers.items()}
 
 
 def test_rendered_config_is_valid_for_haproxy() -> None:
-    cfg = render("loadbalancer", "haproxy.cfg.j2", groups={"inference_nodes": ["n2", "n3"]},
-                 hostvars={"n2": {"ansible_host": "10.0.0.2"}, "n3": {"ansible_host": "10.0.0.3"}})
-    assert "server n2 10.0.0.2:8000" in cfg and "server n3 10.0.0.3:8000" in cfg
+    cfg = render("loadbalancer", "haproxy.cfg.j2", inventory_hostname="lb", ansible_host="10.0.0.1",
+                 groups={"inference_nodes": ["n2", "n3"]},
+                 hostvars={"n2": {"ansible_host": "10.0.0.2"}, "n3": {"ansible_host": "10.0.0.3"}},
+                 __loadbalancer_stats_crypt={"stdout": "$6$x$y"})
     assert "timeout server 300s" in cfg  # streamed completions outlive HTTP's usual timeouts
-    assert "bind *:8404" in cfg and "prometheus-exporter" in cfg
+    assert "bind *:443 ssl crt /etc/haproxy/certs/shardstack.pem" in cfg and "bind *:80\n" in cfg
+    assert "ssl-min-ver TLSv1.2" in cfg
+    # Stats and metrics on the node's cluster address only, never on the clients' wildcard bind.
+    assert "bind 10.0.0.1:8404 ssl crt" in cfg and "bind 10.0.0.1:8405\n" in cfg
+    assert "option forwardfor" in cfg
+
+
+def test_each_server_gets_what_its_service_admits_unless_set() -> None:
+    service = yaml.safe_load((REPO / "roles/inference_service/defaults/main.yml").read_text())
+    admits = service["inference_service_max_concurrency"] + service["inference_service_max_queue"]
+    hostvars = {"n2": {"ansible_host": "10.0.0.2"},
+                "n3": {"ansible_host": "10.0.0.3", "inference_service_max_concurrency": 4,
+                       "inference_service_max_queue": 6, "inference_service_bind": "10.1.0.3"}}
+    common = {"inventory_hostname": "lb", "groups": {"inference_nodes": ["n2", "n3"]}, "hostvars": hostvars,
+              "__loadbalancer_stats_crypt": {"stdout": "$6$x$y"}, "loadbalancer_stats_bind": "10.0.0.1"}
+    cfg = render("loadbalancer", "haproxy.cfg.j2", **common)
+    # The service's defaults where the inventory sets nothing, the inventory's limits and address where it does.
+    assert f"server n2 10.0.0.2:8000 maxconn {admits}\n" in cfg
+    assert "server n3 10.1.0.3:8000 maxconn 10\n" in cfg
+    cfg = render("loadbalancer", "haproxy.cfg.j2", loadbalancer_server_maxconn=3, **common)
+    assert "server n2 10.0.0.2:8000 maxconn 3\n" in cfg and "server n3 10.1.0.3:8000 maxconn 3\n" in cfg
+
+
+def test_prometheus_scrapes_the_metrics_listener_not_the_stats_page() -> None:
+    lb = yaml.safe_load((REPO / "roles/loadbalancer/defaults/main.yml").read_text())
+    prom = yaml.safe_load((REPO / "roles/prometheus/defaults/main.yml").read_text())
+    job = next(j for j in prom["prometheus_scrape_jobs"] if j["name"] == "loadbalancer")
+    assert job["port"] == lb["loadbalancer_metrics_port"] != lb["loadbalancer_stats_port"]
+
+
+def test_a_completion_over_https_with_the_cluster_ca(lb: dict) -> None:
+    answers = [complete(lb["ep"], "x") for _ in range(4)]
+    assert [a.status for a in answers] == [200] * 4
+    assert {a.text for a in answers} == {"a", "b"}  # both backends serve
+
+
+def test_the_plain_port_only_redirects_to_https(lb: dict) -> None:
+    host, port = lb["http"]
+    conn = http.client.HTTPConnection(host, port, timeout=5)
+    conn.request("POST", "/v1/completions?x=1", body=b"{}", headers={"Host": f"lb.example:{port}"})
+    resp = conn.getresponse()
+    tls_port = lb["ports"]["loadbalancer_tls_port"]
+    assert resp.status == 301 and resp.getheader("Location") == f"https://lb.example:{tls_port}/v1/completions?x=1"
+    assert lb["a"].hits.total() + lb["b"].hits.total() == 0  # nothing reached a backend in clear
+
+
+def test_tls_1_2_at_least_and_hsts(lb: dict) -> None:
+    old = ssl.create_default_context(cafile=str(lb["files"]["ca_cert"]))
+    old.minimum_version = ssl.TLSVersion.MINIMUM_SUPPORTED
+    with pytest.warns(DeprecationWarning):  # which is the point
+        old.maximum_version = ssl.TLSVersion.TLSv1_1
+    old.set_ciphers("DEFAULT:@SECLEVEL=0")  # the client offers TLS 1.1 for real; the server must refuse it
+    address = ("127.0.0.1", lb["ports"]["loadbalancer_tls_port"])
+    with pytest.raises(ssl.SSLError), socket.create_connection(address) as s:
+        old.wrap_socket(s, server_hostname="127.0.0.1")
+    with socket.create_connection(address) as s, \
+            lb["ep"].tls.wrap_socket(s, server_hostname="127.0.0.1") as tls:
+        assert tls.version() in ("TLSv1.2", "TLSv1.3")
+    status, _, headers = post(lb)
+    assert status == 200 and headers["strict-transport-security"] == "max-age=63072000"
+
+
+def test_a_client_that_does_not_trust_the_certificate_gets_one_clear_line(lb: dict, tmp_path: Path) -> None:
+    other = issue(tmp_path / "other", "lb", ["lb", "127.0.0.1"])  # another cluster's CA
+    with pytest.raises(ShardstackError) as err:
+        complete(dataclasses.replace(lb["ep"], cafile=other["ca_cert"]), "x")
+    assert str(err.value).startswith(f"TLS: {lb['https']} presented a certificate the CA in {other['ca_cert']} "
+                                     "does not accept: unable to get local issuer certificate")
+    assert "Traceback" not in str(err.value) and len(str(err.value).splitlines()) == 2  # the line and its hint
+    with pytest.raises(ShardstackError, match="no CA certificate at"):
+        complete(dataclasses.replace(lb["ep"], cafile=tmp_path / "missing.crt"), "x")
+
+
+def test_backends_see_the_clients_address_and_only_that(lb: dict) -> None:
+    assert post(lb, {"X-Forwarded-For": "6.6.6.6"})[0] == 200
+    forwarded = lb["a"].forwarded + lb["b"].forwarded
+    assert forwarded == ["127.0.0.1"]
 
 
 def test_a_draining_backend_503_is_retried_on_the_other(lb: dict) -> None:
     lb["a"].post = 503  # a draining inference service answers 503 before doing any work
-    codes = Counter(post(lb["url"])[0] for _ in range(20))
+    codes = Counter(post(lb)[0] for _ in range(20))
     assert codes == Counter({200: 20})
     assert lb["b"].hits[200] == 20 and lb["a"].hits[503] > 0  # a was tried, b answered
 
 
 def test_a_failing_health_check_takes_the_server_out(lb: dict) -> None:
     lb["a"].health = 503
-    wait_up(lb["stats"], {"b"})
+    wait_up(lb["metrics"], {"b"})
     before = lb["a"].hits.total()
-    assert all(post(lb["url"])[0] == 200 for _ in range(10))
+    assert all(post(lb)[0] == 200 for _ in range(10))
     assert lb["a"].hits.total() == before  # no request reached the server that is out
     lb["a"].health = 200
-    wait_up(lb["stats"], {"a", "b"})
+    wait_up(lb["metrics"], {"a", "b"})
 
 
 def test_a_stopped_backend_is_retried_on_the_other(lb: dict) -> None:
     lb["a"].shutdown()
     lb["a"].server_close()  # connection refused from now on, before any health check notices
-    assert Counter(post(lb["url"])[0] for _ in range(10)) == Counter({200: 10})
+    assert Counter(post(lb)[0] for _ in range(10)) == Counter({200: 10})
 
 
-def test_rate_limit_answers_429_with_retry_after(lb: dict) -> None:
-    results = [post(lb["url"]) for _ in range(50)]
+def test_no_backend_up_is_the_services_503_with_retry_after(lb: dict) -> None:
+    lb["a"].health = lb["b"].health = 503
+    wait_up(lb["metrics"], set())
+    status, body, headers = post(lb)
+    assert status == 503 and body == UNAVAILABLE.json()
+    # rise (2) × interval (200 ms here), rounded up: when a recovered server takes requests again.
+    assert headers["retry-after"] == "1" and headers["content-type"] == "application/json"
+
+
+def test_rate_limit_answers_the_services_429_with_retry_after(lb: dict) -> None:
+    results = [post(lb) for _ in range(50)]
     codes = [code for code, _, _ in results]
     assert codes[:40] == [200] * 40
     assert set(codes[41:]) == {429}
     _, body, headers = results[-1]
-    assert body["error_type"] == "rate_limit_error" and headers.get("retry-after") == "1"
+    assert body == RATE_LIMITED.json() and headers["retry-after"] == "1"
+    assert headers["content-type"] == "application/json"
+
+
+def test_stats_want_the_password_metrics_do_not(lb: dict) -> None:
+    tls = lb["ep"].tls
+    with pytest.raises(urllib.error.HTTPError) as denied:
+        urllib.request.urlopen(lb["stats"], timeout=5, context=tls)
+    assert denied.value.code == 401
+    wrong = base64.b64encode(b"stats:guess").decode()
+    with pytest.raises(urllib.error.HTTPError) as denied:
+        urllib.request.urlopen(urllib.request.Request(lb["stats"], headers={"Authorization": f"Basic {wrong}"}),
+                               timeout=5, context=tls)
+    assert denied.value.code == 401
+    good = base64.b64encode(f"stats:{STATS_PASSWORD}".encode()).decode()
+    page = urllib.request.urlopen(urllib.request.Request(lb["stats"], headers={"Authorization": f"Basic {good}"}),
+                                  timeout=5, context=tls)
+    assert page.status == 200 and b"inference" in page.read()
+    assert urllib.request.urlopen(lb["metrics"], timeout=5).status == 200
+    with pytest.raises(urllib.error.HTTPError) as other:  # the unauthenticated listener serves /metrics only
+        urllib.request.urlopen(lb["metrics"].replace("/metrics", "/stats"), timeout=5)
+    assert other.value.code == 404
+
+
+@pytest.mark.parametrize("queue", ["5s", "1s"])
+def test_requests_beyond_every_servers_maxconn_wait_in_haproxys_queue(tmp_path: Path, queue: str) -> None:
+    """One slot per server and 1 s per request: a third concurrent request waits in HAProxy for the first free
+    server (served when the queue may wait 5 s) or gets the service's 503 when `timeout queue` (1 s) runs out."""
+    files = issue(tmp_path / "credentials", "lb", ["127.0.0.1"])
+    port = free_port()
+    a, b = Backend("127.0.0.2", port, "a"), Backend("127.0.0.3", port, "b")
+    a.delay = b.delay = 1.5
+    try:
+        with running_haproxy(tmp_path, files, {"a": "127.0.0.2", "b": "127.0.0.3"}, port,
+                             loadbalancer_server_maxconn=1, loadbalancer_timeout_queue=queue) as running:
+            wait_up(running["metrics"], {"a", "b"})
+            ep = Endpoint(running["https"], None, files["ca_cert"])
+            with ThreadPoolExecutor(3) as pool:
+                answers = list(pool.map(lambda _: complete(ep, "x", timeout=20), range(3)))
+    finally:
+        for server in (a, b):
+            server.shutdown()
+            server.server_close()
+    codes = sorted(c.status for c in answers)
+    assert max(a.hits.total(), b.hits.total()) <= (2 if queue == "5s" else 1)
+    if queue == "5s":
+        assert codes == [200, 200, 200] and max(c.seconds for c in answers) > 2.5  # it waited for a free slot
+    else:
+        assert codes == [200, 200, 503]
+        assert next(c.body for c in answers if c.status == 503) == json.loads(UNAVAILABLE.json())
+
+
+def test_validate_probes_over_https_and_no_secret_reaches_the_runner_artifacts(tmp_path: Path) -> None:
+    """The role's credentials tasks and validate.yml's inference checks, run for real through ansible-runner
+    against this machine, then every artifact file searched for the token, the stats password and both keys."""
+    inv = tmp_path / "inv" / "hosts.yml"
+    inv.parent.mkdir()
+    port, tls_port = free_port(), free_port()
+    inv.write_text(yaml.safe_dump({"all": {
+        "vars": {"ansible_connection": "local", "ansible_python_interpreter": sys.executable,
+                 "loadbalancer_tls_port": tls_port},
+        "children": {"train_nodes": {}, "storage_server": {}, "monitoring_server": {},
+                     "inference_nodes": {"hosts": {"a": {"ansible_host": "127.0.0.2"},
+                                                   "b": {"ansible_host": "127.0.0.3"}}},
+                     "loadbalancer": {"hosts": {"lb": {"ansible_host": "127.0.0.1"}}}}}}))
+    store = inv.parent / "credentials"  # the roles' default stores, beside the inventory
+    store.mkdir()
+    token = "tok-" + base64.b32encode(os.urandom(15)).decode()
+    (store / "inference-token.txt").write_text(token + "\n")
+    art = tmp_path / "artifacts"
+
+    creds = run_playbook("tests/ops/playbooks/edge_credentials.yml", inv, artifacts=art)
+    assert creds.success, {h: (r.failed_task, r.message) for h, r in creds.hosts.items()}
+    files = store_files(store, "lb")
+    password = (store / "loadbalancer-stats.txt").read_text().strip()
+    a, b = Backend("127.0.0.2", port, "a"), Backend("127.0.0.3", port, "b")
+    try:
+        with running_haproxy(tmp_path, files, {"a": "127.0.0.2", "b": "127.0.0.3"}, port, stats_password=password,
+                             loadbalancer_tls_port=tls_port) as running:
+            wait_up(running["metrics"], {"a", "b"})
+            val = run_playbook("playbooks/validate.yml", inv, tags="validate_inference",
+                               extravars={"validate_inference_port": port}, artifacts=art)
+    finally:
+        for server in (a, b):
+            server.shutdown()
+            server.server_close()
+    assert val.success, {h: (r.failed_task, r.message) for h, r in val.hosts.items()}
+    probe = val.data["validate_inference"]
+    assert probe["url"] == f"https://127.0.0.1:{tls_port}" and int(probe["status"]) == 200, probe
+    assert probe["backends"] == {"a": 200, "b": 200}
+
+    keys = [line for f in ("ca_key", "key") for line in files[f].read_text().splitlines() if "-----" not in line]
+    secrets = {"token": token, "stats password": password, **{f"key line {i}": k for i, k in enumerate(keys)}}
+    texts = {p: p.read_text(errors="replace") for p in art.rglob("*") if p.is_file()}
+    assert any("A completion through the load balancer" in t for t in texts.values())  # the events are there
+    leaks = {name: sorted(str(p.relative_to(art)) for p, t in texts.items() if value in t)
+             for name, value in secrets.items()}
+    assert not any(leaks.values()), leaks
 
 
 def _admin(sock: Path, line: str) -> str:
@@ -182,7 +417,6 @@ def _server_status(sock: Path, server: str) -> str:
 
 
 def test_cordon_commands_drain_and_restore_a_server(lb: dict, tmp_path: Path) -> None:
-    from shardstack.errors import ShardstackError
     from shardstack.ops import cordon
     from shardstack.ops import status as status_ops
     from shardstack.ops.runner import CommandResult
@@ -192,14 +426,15 @@ def test_cordon_commands_drain_and_restore_a_server(lb: dict, tmp_path: Path) ->
     answer = _admin(sock, command)
     cordon.check_haproxy_answers({"lb": CommandResult("lb", 0, answer)}, ["lb"], command)  # empty: accepted
     assert _server_status(sock, "a") == "DRAIN"
-    servers = {s["server"]: s for s in status_ops.haproxy_servers(lb["stats"])}  # what `shardstack status` reads
+    servers = {s["server"]: s for s in status_ops.haproxy_servers(lb["metrics"])}  # what `shardstack status` reads
     assert servers["a"]["status"] == "DRAIN" and servers["b"]["status"] == "UP"
     before = lb["a"].hits[200]
-    codes = Counter(post(lb["url"])[0] for _ in range(10))
+    codes = Counter(post(lb)[0] for _ in range(10))
     assert codes == Counter({200: 10}) and lb["a"].hits[200] == before  # no new requests reach a drained server
 
     _admin(sock, cordon.haproxy_command("inference", "a", "uncordon"))
     assert _server_status(sock, "a") == "UP"
+    assert {s["server"]: s["status"] for s in status_ops.haproxy_servers(lb["metrics"])} == {"a": "UP", "b": "UP"}
 
     # A server HAProxy does not know: its answer is an error, reported with a hint.
     bad = cordon.haproxy_command("inference", "nosuch", "drain")

@@ -71,6 +71,9 @@ def test_validate_passes_only_with_every_check() -> None:
         "storage: n1 read different bytes than n2 wrote"]
     assert validate_findings({**GOOD, "validate_inference": {"status": 503}}) == [
         "inference: load balancer answered 503"]
+    tls = "Request failed: <urlopen error [SSL: CERTIFICATE_VERIFY_FAILED] certificate verify failed>"
+    assert validate_findings({**GOOD, "validate_inference": {"status": -1, "text": tls}}) == [
+        f"inference: load balancer answered -1: {tls}"]
 
 
 def test_demo_job_is_a_valid_stage3_config() -> None:
@@ -78,3 +81,12 @@ def test_demo_job_is_a_valid_stage3_config() -> None:
     assert job["engine"]["stage"] == 3 and job["schedule"]["total_steps"] == 300
     assert job["checkpoint"]["dir"] == "/srv/shardstack/checkpoints/demo"
     assert job["data"]["path"].startswith("/srv/shardstack/")
+
+
+def test_demo_job_fine_tunes_a_model_on_shared_storage() -> None:
+    model = "/srv/shardstack/pretrained/stdlib-llama-0123456789ab"
+    job = demo_job(60, "/srv/shardstack", init_from=model)
+    assert job["model"]["init_from"] == model and job["data"]["tokenizer"] == model
+    # Data prepared with another tokenizer must not be reused: the directory is named after the model.
+    assert job["data"]["path"] == "/srv/shardstack/data/corpus-stdlib-llama-0123456789ab"
+    assert job["engine"]["stage"] == 3 and job["optimizer"]["lr"] < demo_job(60, "/srv/shardstack")["optimizer"]["lr"]

@@ -66,6 +66,27 @@ def test_run_command_per_host(local_inventory: Path, tmp_path: Path) -> None:
     assert ok["h1"].success
 
 
+def test_place_model_copies_a_directory_to_shared_storage(tmp_path: Path) -> None:
+    from shardstack.ops.cluster import place_model
+
+    shared = tmp_path / "shared"
+    inv = tmp_path / "hosts.yml"
+    inv.write_text(json.dumps({"all": {
+        "hosts": {"h1": {}},
+        "vars": {"ansible_connection": "local", "ansible_python_interpreter": sys.executable,
+                 "shardstack_shared_dir": str(shared)},
+        "children": {"train_nodes": {"hosts": {"h1": {}}}},
+    }}))
+    model = tmp_path / "cache" / "stdlib-llama-0123"
+    (model / "sub").mkdir(parents=True)
+    (model / "config.json").write_text("{}")
+    (model / "sub" / "w.bin").write_bytes(b"\x00" * 10)
+    dest = place_model(inv, model, become=False)
+    assert dest == f"{shared}/pretrained/stdlib-llama-0123"
+    assert (Path(dest) / "config.json").read_text() == "{}" and (Path(dest) / "sub" / "w.bin").stat().st_size == 10
+    assert (Path(dest) / "config.json").stat().st_mode & 0o777 == 0o644  # readable by the job's user
+
+
 def shardstack(*args: str) -> subprocess.CompletedProcess[str]:
     return subprocess.run([sys.executable, "-m", "shardstack", *args], capture_output=True, text=True, timeout=120)
 

@@ -1,5 +1,5 @@
 """`shardstack status`'s data from a loopback HTTP server answering with recorded Prometheus API responses (the
-shapes of /api/v1/query and /api/v1/alerts, Prometheus 2.x/3.x) and HAProxy's stats CSV."""
+shapes of /api/v1/query and /api/v1/alerts, Prometheus 2.x/3.x) and HAProxy's Prometheus exporter."""
 
 from __future__ import annotations
 
@@ -42,17 +42,47 @@ ALERTS = {"status": "success", "data": {"alerts": [
     {"labels": {"alertname": "NodeDown", "severity": "critical", "node": "i1"}, "annotations": {"summary": "x"},
      "state": "pending", "activeAt": "2026-12-01T10:00:00Z", "value": "0e+00"},
 ]}}
-# HAProxy 2.6's `show stat` / `/stats;csv` header (first 40 of its columns) and three rows.
-HEADER = ("# pxname,svname,qcur,qmax,scur,smax,slim,stot,bin,bout,dreq,dresp,ereq,econ,eresp,wretr,wredis,status,"
-          "weight,act,bck,chkfail,chkdown,lastchg,downtime,qlimit,pid,iid,sid,throttle,lbtot,tracked,type,rate,"
-          "rate_lim,rate_max,check_status,check_code,check_duration,hrsp_1xx,")
-CSV = "\n".join([
-    HEADER,
-    "inference,FRONTEND,,,3,9,2000,812,1,2,0,0,0,,,,,OPEN,,,,,,,,,1,2,0,,,,0,7,0,15,,,,0,",
-    "inference,i1,0,0,0,2,,401,1,2,,0,,0,0,0,0,DRAIN,1,1,0,0,0,35,0,,1,3,1,,401,,2,0,,9,L7OK,200,1,0,",
-    "inference,i2,0,0,3,7,,411,1,2,,0,,0,0,0,0,UP,1,1,0,0,0,900,0,,1,3,2,,411,,2,7,,8,L7OK,200,1,0,",
-    "inference,BACKEND,0,0,3,9,200,812,1,2,0,0,,0,0,0,0,UP,2,2,0,,0,900,0,,1,3,0,,812,,1,7,,15,,,,0,",
-    "stats,FRONTEND,,,1,2,2000,50,1,2,0,0,0,,,,,OPEN,,,,,,,,,1,4,0,,,,0,1,0,2,,,,0,",
+# HAProxy 2.6's Prometheus exporter (`/metrics?scope=server`, the metrics listener), the families status reads
+# (abridged: the exporter writes every family for every server, grouped by family; the order does not matter here).
+METRICS = "\n".join([
+    "# HELP haproxy_server_status Current status of the service, per state label value.",
+    "# TYPE haproxy_server_status gauge",
+    "# HELP haproxy_server_current_sessions Number of current sessions on the frontend, backend or server",
+    "# TYPE haproxy_server_current_sessions gauge",
+    'haproxy_server_current_sessions{proxy="inference",server="i1"} 0',
+    'haproxy_server_current_queue{proxy="inference",server="i1"} 0',
+    'haproxy_server_sessions_total{proxy="inference",server="i1"} 401',
+    'haproxy_server_status{proxy="inference",server="i1",state="DOWN"} 0',
+    'haproxy_server_status{proxy="inference",server="i1",state="UP"} 0',
+    'haproxy_server_status{proxy="inference",server="i1",state="MAINT"} 0',
+    'haproxy_server_status{proxy="inference",server="i1",state="DRAIN"} 1',
+    'haproxy_server_status{proxy="inference",server="i1",state="NOLB"} 0',
+    'haproxy_server_check_status{proxy="inference",server="i1",state="L4CON"} 0',
+    'haproxy_server_check_status{proxy="inference",server="i1",state="L7OK"} 1',
+    'haproxy_server_check_status{proxy="inference",server="i1",state="L7STS"} 0',
+    'haproxy_server_current_sessions{proxy="inference",server="i2"} 3',
+    'haproxy_server_current_queue{proxy="inference",server="i2"} 1',
+    'haproxy_server_sessions_total{proxy="inference",server="i2"} 411',
+    'haproxy_server_status{proxy="inference",server="i2",state="DOWN"} 0',
+    'haproxy_server_status{proxy="inference",server="i2",state="UP"} 1',
+    'haproxy_server_status{proxy="inference",server="i2",state="MAINT"} 0',
+    'haproxy_server_status{proxy="inference",server="i2",state="DRAIN"} 0',
+    'haproxy_server_status{proxy="inference",server="i2",state="NOLB"} 0',
+    'haproxy_server_check_status{proxy="inference",server="i2",state="L4CON"} 0',
+    'haproxy_server_check_status{proxy="inference",server="i2",state="L7OK"} 1',
+    'haproxy_server_check_status{proxy="inference",server="i2",state="L7STS"} 0',
+    'haproxy_server_current_sessions{proxy="other",server="i1"} 0',
+    'haproxy_server_current_queue{proxy="other",server="i1"} 0',
+    'haproxy_server_sessions_total{proxy="other",server="i1"} 0',
+    'haproxy_server_status{proxy="other",server="i1",state="DOWN"} 1',
+    'haproxy_server_status{proxy="other",server="i1",state="UP"} 0',
+    'haproxy_server_status{proxy="other",server="i1",state="MAINT"} 0',
+    'haproxy_server_status{proxy="other",server="i1",state="DRAIN"} 0',
+    'haproxy_server_status{proxy="other",server="i1",state="NOLB"} 0',
+    'haproxy_server_check_status{proxy="other",server="i1",state="L4CON"} 1',
+    'haproxy_server_check_status{proxy="other",server="i1",state="L7OK"} 0',
+    'haproxy_server_check_status{proxy="other",server="i1",state="L7STS"} 0',
+    'haproxy_server_max_session_rate{proxy="inference",server="i2"} 15',
 ]) + "\n"
 
 
@@ -69,8 +99,8 @@ class Handler(http.server.BaseHTTPRequestHandler):
             kind = "application/json"
         elif url.path == "/api/v1/alerts":
             body, kind = json.dumps(ALERTS).encode(), "application/json"
-        elif url.path == "/stats;csv":
-            body, kind = CSV.encode(), "text/csv"
+        elif url.path == "/metrics" and url.query == "scope=server":
+            body, kind = METRICS.encode(), "text/plain; version=0.0.4"
         else:
             self.send_error(404)
             return
@@ -101,7 +131,8 @@ GROUPS = {"train_nodes": ["t1"], "inference_nodes": ["i1", "i2"], "loadbalancer"
 
 
 def test_collect_everything(server: str) -> None:
-    st = status_ops.collect(GROUPS, {"i1": {"action": "cordon", "roles": ["inference"]}}, server, server)
+    st = status_ops.collect(GROUPS, {"i1": {"action": "cordon", "roles": ["inference"]}}, server,
+                            f"{server}/metrics")
     nodes = {n["node"]: n for n in st.nodes}
     assert list(nodes) == ["i1", "i2", "lb", "t1"]
     assert nodes["t1"]["up"] is True and nodes["i1"]["up"] is False and nodes["i2"]["up"] is None
@@ -112,8 +143,8 @@ def test_collect_everything(server: str) -> None:
     assert st.training == [{"node": "t1", "step": 1200.0, "loss": 2.8125, "tokens_per_second": 51234.5,
                             "last_step_timestamp": 1764583199.0}]
     assert st.backends == [
-        {"server": "i1", "status": "DRAIN", "sessions": 0, "req_rate": 0, "check": "L7OK"},
-        {"server": "i2", "status": "UP", "sessions": 3, "req_rate": 7, "check": "L7OK"}]
+        {"server": "i1", "status": "DRAIN", "sessions": 0, "queued": 0, "sessions_total": 401, "check": "L7OK"},
+        {"server": "i2", "status": "UP", "sessions": 3, "queued": 1, "sessions_total": 411, "check": "L7OK"}]
     # Firing only (pending is not), critical first.
     assert [(a["name"], a["node"]) for a in st.alerts] == [("GPUHealthUncorrectableECC", "t1"), ("Watchdog", "")]
     assert st.notes == []
@@ -137,17 +168,20 @@ def test_no_systemd_collector_and_unreachable_sources(server: str) -> None:
 
 
 def test_status_table(server: str) -> None:
-    st = status_ops.collect(GROUPS, {"t1": {"action": "drain", "roles": ["train"]}}, server, server)
+    st = status_ops.collect(GROUPS, {"t1": {"action": "drain", "roles": ["train"]}}, server,
+                            f"{server}/metrics")
     out = Console(width=200, record=True)
     out.print(status_cli.table(st))
     text = out.export_text()
     assert "up drained" in text and "DRAIN" in text and "step 1200, loss 2.8125, 51234 tokens/s" in text
     assert "GPUHealthUncorrectableECC" in text and "shardstack-inference.service" in text
+    assert "3 sessions, 1 queued, 411 since start" in text
 
 
 def test_sources_from_the_inventory() -> None:
     inv = {"groups": GROUPS, "hostvars": {"lb": {"ansible_host": "10.0.0.5"}}}
-    assert status_ops.sources(inv) == ("http://10.0.0.5:9090", "http://10.0.0.5:8404")
+    # HAProxy's metrics listener (plain HTTP, open to the admin networks), not the stats page (TLS + password).
+    assert status_ops.sources(inv) == ("http://10.0.0.5:9090", "http://10.0.0.5:8405/metrics")
     inv = {"groups": {**GROUPS, "monitoring_server": []},
-           "hostvars": {"lb": {"ansible_host": "10.0.0.5", "loadbalancer_stats_port": 9404}}}
-    assert status_ops.sources(inv) == (None, "http://10.0.0.5:9404")
+           "hostvars": {"lb": {"ansible_host": "10.0.0.5", "loadbalancer_metrics_port": 9405}}}
+    assert status_ops.sources(inv) == (None, "http://10.0.0.5:9405/metrics")

@@ -30,7 +30,8 @@ def exec_argv(text: str) -> list[str]:
 
 @pytest.fixture
 def inference_unit() -> str:
-    return render("inference_service", "shardstack-inference.service.j2")
+    return render("inference_service", "shardstack-inference.service.j2", inventory_hostname="n2",
+                  ansible_host="10.0.0.2")
 
 
 @pytest.fixture
@@ -59,9 +60,18 @@ def test_inference_execstart_is_a_valid_shardstack_serve_command(inference_unit:
     args = build_parser(argv[1:]).parse_args(argv[1:])
     assert args.command == "serve"
     assert str(args.model) == "/srv/shardstack/exports/current"
-    assert args.port == 8000 and args.host == "0.0.0.0"
-    assert str(args.token_file) == "/etc/shardstack/inference.token"
+    # The node's cluster address, never a wildcard: clients cannot bypass the load balancer.
+    assert args.port == 8000 and args.host == "10.0.0.2"
     assert args.stall_seconds == 30 and args.drain_seconds == 20
+
+
+def test_the_token_reaches_the_service_as_a_systemd_credential(inference_unit: str) -> None:
+    # systemd (root) reads the root-only file and hands the service its own copy in $CREDENTIALS_DIRECTORY (%d);
+    # the file itself is never readable by the service account, which also runs training jobs.
+    svc = unit_sections(inference_unit)["Service"]
+    assert svc["LoadCredential"] == "token:/etc/shardstack/inference.token"
+    args = build_parser(exec_argv(inference_unit)[1:]).parse_args(exec_argv(inference_unit)[1:])
+    assert str(args.token_file) == "%d/token"
 
 
 def test_train_execstart_is_torchrun_with_c10d_and_max_restarts(train_unit: str) -> None:

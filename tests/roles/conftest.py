@@ -26,14 +26,13 @@ DEBIAN12_CONTAINER: dict[str, Any] = {
 }
 
 
-def found(*paths: str) -> dict[str, Any]:
-    """What ansible.builtin.find registers for the given matches."""
-    return {"files": [{"path": p} for p in paths], "matched": len(paths)}
-
-
-def probed(pci: tuple[str, ...] = (), devnodes: tuple[str, ...] = (), rdma: tuple[str, ...] = ()) -> dict[str, Any]:
-    """The fact `shardstack_hardware` as the shardstack_common probe records it (paths it found)."""
-    return {"nvidia_pci_functions": list(pci), "nvidia_device_nodes": list(devnodes), "rdma_devices": list(rdma)}
+def probed(pci: tuple[str, ...] = (), devnodes: tuple[str, ...] = (), rdma: tuple[str, ...] = (),
+           nvswitch: tuple[str, ...] = ()) -> dict[str, Any]:
+    """The fact `shardstack_hardware` as the shardstack_common probe records it: the vendor files of the NVIDIA
+    functions `pci` (GPUs) and `nvswitch`, their device directories by class, device nodes, RDMA devices."""
+    return {"nvidia_pci_functions": [*pci, *(f"{d}/vendor" for d in nvswitch)],
+            "nvidia_gpu_functions": [p.removesuffix("/vendor") for p in pci], "nvswitch_functions": list(nvswitch),
+            "nvidia_device_nodes": list(devnodes), "rdma_devices": list(rdma)}
 
 
 @pytest.fixture
@@ -44,11 +43,6 @@ def debian_container() -> dict[str, Any]:
 @pytest.fixture
 def role_eval() -> type[RoleEval]:
     return RoleEval
-
-
-@pytest.fixture
-def find_result() -> Any:
-    return found
 
 
 @pytest.fixture

@@ -3,6 +3,7 @@ fact, the OS-variables preamble with its failure on an unsupported OS, and the s
 
 from __future__ import annotations
 
+import base64
 import os
 import re
 import subprocess
@@ -12,7 +13,7 @@ from typing import Any
 
 import pytest
 import yaml
-from ansible_vars import dependencies, load_vars
+from ansible_vars import dependencies, load_module, load_vars
 
 REPO = Path(__file__).resolve().parents[2]
 ROLES = REPO / "roles"
@@ -40,19 +41,112 @@ def test_cuda_repository_distro_and_arch(
     assert mirror["__shardstack_common_cuda_repo"] == f"http://mirror/cuda/{repo}"
 
 
-def test_hardware_fact_from_the_probe(role_eval: Any, find_result: Any, debian_container: dict) -> None:
-    r = role_eval(
-        "shardstack_common",
-        debian_container,
-        __shardstack_common_pci=find_result("/sys/bus/pci/devices/0000:3b:00.0/vendor"),
-        __shardstack_common_devnodes=find_result("/dev/nvidia0"),
-        __shardstack_common_rdma=find_result(),
-    )
-    assert r["__shardstack_common_hardware"] == {
-        "nvidia_pci_functions": ["/sys/bus/pci/devices/0000:3b:00.0/vendor"],
-        "nvidia_device_nodes": ["/dev/nvidia0"],
-        "rdma_devices": [],
-    }
+def _filters() -> Any:
+    return load_module(ROLES / "shardstack_common" / "filter_plugins" / "shardstack_common.py")
+
+
+# The probe (tasks/hardware.yml) on an HGX H100 node: 8 GPUs (3D controllers), 4 NVSwitches (bridge, other), the
+# BMC's VGA (ASPEED, class 0x03 of another vendor), a ConnectX-7, device nodes and InfiniBand devices.
+HGX = [
+    *(line for i, bus in enumerate(["18", "2a", "3a", "5d", "9a", "ab", "ba", "db"]) for line in (
+        f"/sys/bus/pci/devices/0000:{bus}:00.0/vendor:0x10de", f"/sys/bus/pci/devices/0000:{bus}:00.0/class:0x030200")),
+    *(line for bus in ["05", "06", "07", "08"] for line in (
+        f"/sys/bus/pci/devices/0000:{bus}:00.0/vendor:0x10de", f"/sys/bus/pci/devices/0000:{bus}:00.0/class:0x068000")),
+    "/sys/bus/pci/devices/0000:03:00.0/vendor:0x1a03", "/sys/bus/pci/devices/0000:03:00.0/class:0x030000",
+    "/sys/bus/pci/devices/0000:1a:00.0/vendor:0x15b3", "/sys/bus/pci/devices/0000:1a:00.0/class:0x020700",
+    *(f"/dev/nvidia{i}" for i in range(8)),
+    "/sys/class/infiniband/mlx5_0", "/sys/class/infiniband/mlx5_1",
+]
+
+
+def test_hardware_fact_from_the_probe() -> None:
+    fact = _filters().hardware(HGX)
+    assert len(fact["nvidia_pci_functions"]) == 12 and all(p.endswith("/vendor") for p in fact["nvidia_pci_functions"])
+    assert len(fact["nvidia_gpu_functions"]) == 8
+    assert "/sys/bus/pci/devices/0000:18:00.0" in fact["nvidia_gpu_functions"]
+    assert fact["nvswitch_functions"] == [f"/sys/bus/pci/devices/0000:0{i}:00.0" for i in (5, 6, 7, 8)]
+    assert fact["nvidia_device_nodes"] == [f"/dev/nvidia{i}" for i in range(8)]
+    assert fact["rdma_devices"] == ["/sys/class/infiniband/mlx5_0", "/sys/class/infiniband/mlx5_1"]
+    # A node without NVIDIA functions (the BMC's VGA is not a GPU of ours), and one without a PCI bus in sysfs.
+    cpu = _filters().hardware(HGX[-14:-10])
+    assert cpu == {"nvidia_pci_functions": [], "nvidia_gpu_functions": [], "nvswitch_functions": [],
+                   "nvidia_device_nodes": [], "rdma_devices": []}
+    assert _filters().hardware([]) == cpu
+
+
+DEBOOTSTRAP = "deb http://deb.debian.org/debian bookworm main\n"
+INSTALLER = """\
+# deb cdrom:[Debian GNU/Linux 12.8.0 _Bookworm_]/ bookworm main non-free-firmware
+deb http://ftp.de.debian.org/debian/ bookworm main non-free-firmware
+deb-src http://ftp.de.debian.org/debian/ bookworm main non-free-firmware
+
+deb http://security.debian.org/debian-security bookworm-security main non-free-firmware  # security
+deb http://ftp.de.debian.org/debian/ bookworm-updates main non-free-firmware
+deb [arch=amd64 signed-by=/etc/apt/keyrings/docker.asc] https://download.docker.com/linux/debian bookworm stable
+deb http://deb.debian.org/debian bookworm-backports main
+"""
+DEB822 = """\
+Types: deb
+URIs: http://mirror.example.com/debian
+Suites: bookworm bookworm-updates
+Components: main
+Signed-By: /usr/share/keyrings/debian-archive-keyring.gpg
+
+Types: deb
+URIs: http://mirror.example.com/debian-security
+Suites: bookworm-security
+Components: main contrib
+Signed-By: /usr/share/keyrings/debian-archive-keyring.gpg
+
+Types: deb-src
+URIs: http://mirror.example.com/debian
+Suites: bookworm
+Components: main
+Enabled: no
+"""
+NVIDIA = ["contrib", "non-free", "non-free-firmware"]
+
+
+def test_apt_components_added_to_the_archive_entries_only() -> None:
+    f = _filters()
+    assert f.apt_components(DEBOOTSTRAP, "bookworm", NVIDIA) == (
+        "deb http://deb.debian.org/debian bookworm main contrib non-free non-free-firmware\n")
+    out = f.apt_components(INSTALLER, "bookworm", NVIDIA).splitlines()
+    assert out[0].startswith("# deb cdrom:")  # comments untouched
+    assert out[1] == "deb http://ftp.de.debian.org/debian/ bookworm main non-free-firmware contrib non-free"
+    assert out[2] == "deb-src http://ftp.de.debian.org/debian/ bookworm main non-free-firmware contrib non-free"
+    assert out[4] == ("deb http://security.debian.org/debian-security bookworm-security main non-free-firmware "
+                      "contrib non-free  # security")
+    # Docker's repository reuses the codename but has no `main`: left alone.
+    assert out[6] == INSTALLER.splitlines()[6]
+    assert out[7] == "deb http://deb.debian.org/debian bookworm-backports main contrib non-free non-free-firmware"
+    stanzas = f.apt_components(DEB822, "bookworm", NVIDIA).split("\n\n")
+    assert "\nComponents: main contrib non-free non-free-firmware\n" in stanzas[0]
+    assert "\nComponents: main contrib non-free non-free-firmware\n" in stanzas[1]
+    assert stanzas[2] == DEB822.split("\n\n")[2]  # disabled: untouched
+    ubuntu = "deb http://archive.ubuntu.com/ubuntu jammy main restricted\n"
+    assert f.apt_components(ubuntu, "jammy", ["restricted", "multiverse"]) == (
+        "deb http://archive.ubuntu.com/ubuntu jammy main restricted multiverse\n")
+    # Another release's entries are not this node's archive.
+    assert f.apt_components(DEBOOTSTRAP, "trixie", NVIDIA) == DEBOOTSTRAP
+
+
+def _slurped(**files: str) -> list[dict[str, Any]]:
+    """What ansible.builtin.slurp registers in a loop: content for the files that exist, a failure for the others."""
+    return [{"source": path, "content": base64.b64encode(text.encode()).decode()} if text is not None
+            else {"source": path, "failed": True, "msg": "file not found"} for path, text in files.items()]
+
+
+def test_apt_changes_are_idempotent_and_count_the_entries() -> None:
+    f = _filters()
+    read = _slurped(**{"/etc/apt/sources.list": INSTALLER, "/etc/apt/sources.list.d/debian.sources": None})
+    assert f.apt_entries(read, "bookworm") == 5
+    changes = f.apt_changes(read, "bookworm", NVIDIA)
+    assert [c["path"] for c in changes] == ["/etc/apt/sources.list"]
+    again = _slurped(**{"/etc/apt/sources.list": changes[0]["content"], "/etc/apt/sources.list.d/debian.sources": None})
+    assert f.apt_changes(again, "bookworm", NVIDIA) == []
+    # Nothing of the archive configured: no entry, and the role's assert stops the node instead of guessing.
+    assert f.apt_entries(_slurped(**{"/etc/apt/sources.list": "# empty\n"}), "bookworm") == 0
 
 
 SHARED_DIR_USERS = {  # role: variable -> what it is given shardstack_shared_dir=/data/shared
@@ -127,9 +221,10 @@ ONE_HOME = {
     "the CUDA keyring package": "cuda-keyring",
     "the CUDA .repo file": "/etc/yum.repos.d/cuda-",
     "the OS-variables lookup": "first_found",
-    "the NVIDIA PCI probe": 'contains: "^0x10de$"',
-    "the device-node probe": '"^nvidia[0-9]+$"',
-    "the InfiniBand probe": "paths: /sys/class/infiniband",
+    "the PCI probe": '"/sys/bus/pci/devices/*/vendor"',
+    "the device-node probe": '"/dev/nvidia[0-9]+"',
+    "the InfiniBand probe": '"/sys/class/infiniband/*"',
+    "the apt components edit": "shardstack_apt_changes",
     "the shared directory": "/srv/shardstack",
 }
 
@@ -205,6 +300,8 @@ def test_roles_run_alone_probe_the_hardware_once(tmp_path: Path) -> None:
     ] + [{"name": "Show", "ansible.builtin.debug": {"msg": "hardware={{ shardstack_hardware | to_json }}"}}]
     out = _play(tmp_path, tasks)
     assert "failed=0" in out, out
-    assert out.count("TASK [shardstack_common : Hardware - look for NVIDIA PCI functions") == 1, out
+    probe = "TASK [shardstack_common : Hardware - probe PCI functions, GPU device nodes and RDMA devices"
+    assert out.count(probe) == 1, out
     assert re.search(r'hardware=\{\\"nvidia_pci_functions\\": \[', out), out
+    assert re.search(r'\\"nvswitch_functions\\": \[', out), out
     assert re.search(r"rdma: (skipped|userspace)", out) and re.search(r"nccl: library", out), out

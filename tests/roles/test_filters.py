@@ -2,25 +2,16 @@
 
 from __future__ import annotations
 
-import importlib.util
 from pathlib import Path
-from types import ModuleType
 
 import yaml
+from ansible_vars import load_module
 
 REPO = Path(__file__).resolve().parents[2]
 
 
-def _module(path: Path) -> ModuleType:
-    spec = importlib.util.spec_from_file_location(path.stem, path)
-    assert spec and spec.loader
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
-
-
-rdma = _module(REPO / "roles/rdma/filter_plugins/rdma.py")
-inv = _module(REPO / "playbooks/filter_plugins/shardstack_inventory.py")
+rdma = load_module(REPO / "roles/rdma/filter_plugins/rdma.py")
+inv = load_module(REPO / "playbooks/filter_plugins/shardstack_inventory.py")
 
 IBSTAT = """\
 CA 'mlx5_0'

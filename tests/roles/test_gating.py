@@ -22,9 +22,9 @@ def _bare_metal(facts: dict[str, Any]) -> dict[str, Any]:
         ([], False, True, "auto", False, False, "skipped: no NVIDIA GPU found"),
         ([], True, True, "auto", True, False, "userspace only (forced); kernel-module steps skipped: container"),
         ([GPU], False, True, "auto", True, False, "userspace only (GPU found); kernel-module steps skipped: container"),
-        ([GPU], False, False, "auto", True, True, "full install (1 NVIDIA PCI device(s))"),
+        ([GPU], False, False, "auto", True, True, "full install from cuda_repo, branch 580 (1 NVIDIA PCI device(s))"),
         ([GPU], False, False, "never", True, False, "kernel-module steps skipped: nvidia_driver_kernel_modules=never"),
-        ([], True, True, "always", True, True, "full install (0 NVIDIA PCI device(s), forced)"),
+        ([], True, True, "always", True, True, "branch 580 (0 NVIDIA PCI device(s), forced)"),
     ],
 )
 def test_nvidia_driver_gate(
@@ -95,22 +95,113 @@ def test_nvidia_loaded_matching_driver_is_left_alone(
 
 
 @pytest.mark.parametrize(
-    ("source", "kernel_pkg"),
-    [("distro", "nvidia-kernel-dkms"), ("cuda_repo", "cuda-drivers-535")],
+    ("source", "kernel_pkg", "components"),
+    [("distro", "nvidia-kernel-dkms", ["contrib", "non-free", "non-free-firmware"]),
+     ("cuda_repo", "cuda-drivers-580", ["contrib"])],
 )
-def test_nvidia_packages_by_source(role_eval: Any, debian_container: dict, source: str, kernel_pkg: str) -> None:
+def test_nvidia_packages_and_components_by_source(
+    role_eval: Any, debian_container: dict, source: str, kernel_pkg: str, components: list
+) -> None:
     r = role_eval("nvidia_driver", debian_container, nvidia_driver_source=source)
     assert kernel_pkg in r["__nvidia_driver_kernel_effective"]
-    assert r["__nvidia_driver_userspace_effective"] == ["nvidia-smi", "libnvidia-ml1"]
+    # Headless: libcuda1 (what torch loads) without nvidia-driver's X server.
+    assert r["__nvidia_driver_userspace_effective"] == ["nvidia-smi", "libnvidia-ml1", "libcuda1"]
+    assert "nvidia-driver" not in r["__nvidia_driver_kernel_effective"]
+    assert r["__nvidia_driver_os_components"][source] == components
 
 
 def test_nvidia_ubuntu_and_rhel_dispatch(role_eval: Any, debian_container: dict) -> None:
     ubuntu = {**debian_container, "distribution": "Ubuntu", "distribution_version": "22.04"}
-    r = role_eval("nvidia_driver", ubuntu)
+    r = role_eval("nvidia_driver", ubuntu, nvidia_driver_source="distro", nvidia_driver_branch="535")
     assert r["__nvidia_driver_userspace_effective"][0] == "nvidia-utils-535-server"
+    assert r["__nvidia_driver_os_components"]["distro"] == ["restricted", "multiverse"]
+    assert r["__nvidia_driver_fabricmanager_effective"] == ["cuda-drivers-fabricmanager-535"]
     rhel = {**debian_container, "distribution": "Rocky", "os_family": "RedHat", "distribution_major_version": "9"}
-    r = role_eval("nvidia_driver", rhel, nvidia_driver_source="cuda_repo")
-    assert "@nvidia-driver:535-dkms" in r["__nvidia_driver_kernel_effective"]
+    r = role_eval("nvidia_driver", rhel)
+    assert "@nvidia-driver:580-dkms" in r["__nvidia_driver_kernel_effective"]
+    assert r["__nvidia_driver_os_components"]["cuda_repo"] == ["epel", "crb"]
+
+
+NVSWITCH = "/sys/bus/pci/devices/0000:05:00.0"
+
+
+@pytest.mark.parametrize(
+    ("source", "container", "fabricmanager", "packages"),
+    [("cuda_repo", False, True, ["cuda-drivers-fabricmanager-580"]),
+     ("distro", False, True, []),  # Debian packages none: the preflight stops the node
+     ("cuda_repo", True, False, ["cuda-drivers-fabricmanager-580"])],
+)
+def test_nvidia_fabric_manager_on_nvswitch_systems(
+    role_eval: Any, hardware: Any, debian_container: dict, source: str, container: bool, fabricmanager: bool,
+    packages: list,
+) -> None:
+    facts = debian_container if container else _bare_metal(debian_container)
+    hgx = hardware(pci=(GPU,), nvswitch=(NVSWITCH,))
+    r = role_eval("nvidia_driver", facts, shardstack_hardware=hgx, nvidia_driver_source=source)
+    assert r["__nvidia_driver_fabricmanager"] is fabricmanager
+    assert r["__nvidia_driver_fabricmanager_effective"] == packages
+    if fabricmanager:
+        assert "1 NVSwitch(es): fabric manager" in r["__nvidia_driver_reason"]
+    plain = role_eval("nvidia_driver", facts, shardstack_hardware=hardware(pci=(GPU,)), nvidia_driver_source=source)
+    assert plain["__nvidia_driver_fabricmanager"] is False
+
+
+def _module(version: str) -> dict:
+    return {"content": base64.b64encode(f"{version}\n".encode()).decode()} if version else {}
+
+
+# Recorded states of a bare-metal GPU node after the role's install step: the module loaded before it, the
+# userspace installed now, whether nouveau was bound, whether the play may reboot.
+@pytest.mark.parametrize(
+    ("loaded", "installed", "nouveau", "reboot", "load_now", "why"),
+    [
+        # A fresh H100 server (nouveau has no Hopper support on Debian 12's kernel): load the module now.
+        ("", "580.65.06", False, False, True, ""),
+        # nouveau bound the GPU: blacklisted now, but only a reboot frees the GPU.
+        ("", "580.65.06", True, True, False, "nouveau holds the GPU"),
+        # A branch change: the old module stays loaded until a reboot (NVML mismatch).
+        ("550.163.01", "580.65.06", False, True, False, "loaded module is 550.163.01, the installed driver 580.65.06"),
+        # An update inside the branch, same story.
+        ("580.65.06", "580.82.07", False, True, False, "loaded module is 580.65.06, the installed driver 580.82.07"),
+    ],
+)
+def test_nvidia_reboot_decision_on_recorded_states(
+    role_eval: Any, hardware: Any, debian_container: dict, loaded: str, installed: str, nouveau: bool,
+    reboot: bool, load_now: bool, why: str,
+) -> None:
+    r = role_eval(
+        "nvidia_driver",
+        _bare_metal(debian_container),
+        inventory_hostname="gpu07",
+        shardstack_hardware=hardware(pci=(GPU,)),
+        nvidia_driver_branch=installed.split(".")[0],
+        nvidia_driver_version=installed + "-1" if loaded.startswith(installed.split(".")[0]) else "",
+        __nvidia_driver_module_version=_module(loaded),
+        nvidia_driver_installed_version=installed,
+        __nvidia_driver_nouveau={"stat": {"exists": nouveau}},
+    )
+    assert r["__nvidia_driver_kernel"] is True
+    assert r["__nvidia_driver_reboot_needed"] is reboot
+    assert r["__nvidia_driver_load_now"] is load_now
+    assert (why in " ".join(r["__nvidia_driver_reboot_reasons"])) if why else r["__nvidia_driver_reboot_reasons"] == []
+    if reboot:
+        # Not allowed (the default): the node is failed with the commands that finish the job.
+        assert r["nvidia_driver_reboot_allowed"] is False
+        assert r["__nvidia_driver_reboot_command"].startswith(
+            "reboot gpu07, then run `shardstack deploy --limit gpu07`")
+
+
+@pytest.mark.parametrize(("container", "loaded"), [(True, ""), (False, "580.65.06")])
+def test_nvidia_no_reboot_in_a_container_or_for_a_driver_left_alone(
+    role_eval: Any, hardware: Any, debian_container: dict, container: bool, loaded: str
+) -> None:
+    facts = debian_container if container else _bare_metal(debian_container)
+    r = role_eval("nvidia_driver", facts, shardstack_hardware=hardware(pci=(GPU,)),
+                  __nvidia_driver_module_version=_module(loaded), nvidia_driver_installed_version="580.65.06",
+                  __nvidia_driver_nouveau={"stat": {"exists": True}})
+    assert r["__nvidia_driver_reboot_needed"] is False and r["__nvidia_driver_load_now"] is False
+    # A driver left alone still gets its services (persistenced, fabric manager) kept running on bare metal.
+    assert r["__nvidia_driver_kernel_host"] is (not container)
 
 
 @pytest.mark.parametrize(("pci", "force", "enabled"), [([], False, False), ([], True, True), ([GPU], False, True)])
@@ -228,3 +319,90 @@ def test_every_os_family_resolves(role_eval: Any, debian_container: dict, role: 
     overrides = {k: v for k, v in source.items() if k.startswith(role)}
     packages = role_eval(role, facts, **overrides)[PACKAGE_VARS[role]]
     assert isinstance(packages, list) and packages and all(isinstance(p, str) and p for p in packages)
+
+
+# ibstat on a node with two dual-port HCAs: mlx5_0/1 and mlx5_1/1 cabled to the fabric, mlx5_0/2 a spare
+# (Down/Disabled), mlx5_1/2 cabled but its link down (Down/Polling).
+IBSTAT = """\
+CA 'mlx5_0'
+\tCA type: MT4123
+\tNumber of ports: 2
+\tPort 1:
+\t\tState: Active
+\t\tPhysical state: LinkUp
+\t\tRate: 200
+\t\tLink layer: InfiniBand
+\tPort 2:
+\t\tState: Down
+\t\tPhysical state: Disabled
+\t\tRate: 10
+\t\tLink layer: InfiniBand
+CA 'mlx5_1'
+\tCA type: MT4123
+\tNumber of ports: 2
+\tPort 1:
+\t\tState: Active
+\t\tPhysical state: LinkUp
+\t\tRate: 100
+\t\tLink layer: InfiniBand
+\tPort 2:
+\t\tState: Down
+\t\tPhysical state: Polling
+\t\tRate: 10
+\t\tLink layer: InfiniBand
+"""
+
+
+@pytest.mark.parametrize(
+    ("required", "min_rate", "problems"),
+    [
+        # The spare mlx5_0/2 and the down mlx5_1/2 are not required: reported, the node passes.
+        (["mlx5_0/1", "mlx5_1/1"], 0, []),
+        ([], 0, []),
+        # A required port that is down fails the node, naming it and its state.
+        (["mlx5_0/1", "mlx5_1/2"], 0, ["required port mlx5_1/2 is Down/Polling 10 Gb/s InfiniBand, not Active/LinkUp"]),
+        (["mlx5_0/1", "mlx5_1/1"], 200,
+         ["required port mlx5_1/1 runs at 100 Gb/s, below rdma_min_rate_gbps 200"]),
+        (["mlx5_2/1"], 0, ["required port mlx5_2/1 not found (the node has mlx5_0/1, mlx5_0/2, mlx5_1/1, mlx5_1/2)"]),
+    ],
+)
+def test_rdma_port_check_on_recorded_port_states(
+    role_eval: Any, hardware: Any, debian_container: dict, required: list, min_rate: int, problems: list
+) -> None:
+    r = role_eval("rdma", _bare_metal(debian_container), shardstack_hardware=hardware(rdma=(IB,)),
+                  __rdma_ibstat={"stdout": IBSTAT}, rdma_required_ports=required, rdma_min_rate_gbps=min_rate)
+    check = r["__rdma_port_check"]
+    assert check["problems"] == problems
+    reported = " ".join(check["report"])
+    assert "mlx5_0/2: Down/Disabled 10 Gb/s InfiniBand (not required)" in reported
+    assert f"port check required: {', '.join(required) or 'none'}" in r["__rdma_reason"]
+
+
+def test_one_wheelhouse_per_accelerator_class_among_the_play_hosts(role_eval: Any, debian_container: dict) -> None:
+    """training_runtime's wheelhouse.yml builds each class the batch's nodes need once (their preflight facts), skips
+    nodes given a wheelhouse, and gives each node its own class's; under `serial`, later batches' nodes (no facts
+    yet) are not looked at."""
+    def node(accel: str, src: str = "") -> dict:
+        given = {"training_runtime_wheelhouse_src": src} if src else {}
+        return {"nvidia_driver_compat": {"accelerator": accel}, **given}
+
+    hostvars = {"gpu1": node("cu130"), "gpu2": node("cu130"), "old": node("cu126", "/srv/wh/cu126"),
+                "cpu1": node("cpu"), "localhost": {}}
+    plays = ["gpu1", "gpu2", "old", "cpu1"]
+    r = role_eval("training_runtime", debian_container, hostvars=hostvars, ansible_play_batch=plays,
+                  inventory_hostname="gpu1", nvidia_driver_compat={"accelerator": "cu130"})
+    assert r["__training_runtime_classes_to_build"] == ["cpu", "cu130"]
+    built = {"cpu": "/cache/wheelhouse/cpu/abc", "cu130": "/cache/wheelhouse/cu130/abc"}
+    hostvars["localhost"] = {"__training_runtime_wheelhouses": built}
+    r = role_eval("training_runtime", debian_container, hostvars=hostvars, ansible_play_batch=plays,
+                  inventory_hostname="gpu1", nvidia_driver_compat={"accelerator": "cu130"})
+    assert r["__training_runtime_classes_to_build"] == []  # inference_service's play: already built this run
+    assert r["__training_runtime_wheelhouse_path"] == "/cache/wheelhouse/cu130/abc"
+    cpu = role_eval("training_runtime", debian_container, hostvars=hostvars, ansible_play_batch=plays,
+                    inventory_hostname="cpu1", nvidia_driver_compat={"accelerator": "cpu"})
+    assert cpu["__training_runtime_wheelhouse_path"] == "/cache/wheelhouse/cpu/abc"
+    hostvars["later"] = {}  # a rolling upgrade's next batch: compatibility.yml has not run there yet
+    r = role_eval("training_runtime", debian_container, hostvars=hostvars, ansible_play_batch=["cpu1"],
+                  ansible_play_hosts=["cpu1", "later"], inventory_hostname="cpu1",
+                  nvidia_driver_compat={"accelerator": "cpu"})
+    assert r["__training_runtime_classes_to_build"] == []

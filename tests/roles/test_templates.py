@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from typing import Any
 
+import pytest
+
 
 def _lines(text: str) -> list[str]:
     return [line for line in text.splitlines() if line and not line.startswith("#")]
@@ -100,7 +102,7 @@ def test_bind_mount_unit_and_escaped_name(role_eval: Any, debian_container: dict
 
 
 def test_cuda_profile(role_eval: Any, debian_container: dict) -> None:
-    distro = role_eval("cuda_toolkit", debian_container).render("cuda.sh.j2")
+    distro = role_eval("cuda_toolkit", debian_container, cuda_toolkit_source="distro").render("cuda.sh.j2")
     assert "export CUDA_HOME=/usr" in distro and "PATH" not in distro
     repo = role_eval("cuda_toolkit", debian_container, cuda_toolkit_source="cuda_repo", cuda_toolkit_version="12.4")
     text = repo.render("cuda.sh.j2")
@@ -125,10 +127,64 @@ def test_limits_and_systemd_memlock(role_eval: Any, debian_container: dict) -> N
     assert "DefaultLimitMEMLOCK=64G" in limited.render("systemd-limits.conf.j2")
 
 
-def test_nvidia_apt_pin(role_eval: Any, debian_container: dict) -> None:
-    branch = _lines(
-        role_eval("nvidia_driver", debian_container, nvidia_driver_branch="550").render("apt-preferences.j2")
-    )
-    assert "Pin: version 550.*" in branch and "Pin-Priority: 1001" in branch
-    exact = role_eval("nvidia_driver", debian_container, nvidia_driver_version="535.216.01-1~deb12u1")
-    assert "Pin: version 535.216.01-1~deb12u1" in exact.render("apt-preferences.j2")
+def test_nvidia_apt_pin_distro_keeps_nvidias_repository_out(role_eval: Any, debian_container: dict) -> None:
+    r = role_eval("nvidia_driver", debian_container, nvidia_driver_source="distro", nvidia_driver_branch="535")
+    text = r.render("apt-preferences.j2")
+    assert text.startswith("#\n# Ansible managed\n#\n")
+    records = [dict(line.split(": ", 1) for line in block.splitlines() if not line.startswith("#"))
+               for block in text.split("\n\n")[1:]]
+    # First match wins: NVIDIA's driver packages are never candidates, then Debian's branch wins over newer ones.
+    assert records[0]["Pin"] == "origin developer.download.nvidia.com" and records[0]["Pin-Priority"] == "-1"
+    assert records[1]["Pin"] == "version 535.*" and records[1]["Pin-Priority"] == "1001"
+    assert records[0]["Package"] == records[1]["Package"]
+    assert "/^(lib)?nvidia-/" in records[0]["Package"].split() and "/^libcuda[0-9]/" in records[0]["Package"].split()
+    mirror = role_eval("nvidia_driver", debian_container, nvidia_driver_source="distro",
+                       shardstack_cuda_repo_url="http://cuda-mirror.internal/cuda/repos")
+    assert "Pin: origin cuda-mirror.internal\n" in mirror.render("apt-preferences.j2")
+
+
+def test_nvidia_apt_pin_cuda_repo_keeps_the_distributions_driver_out(role_eval: Any, debian_container: dict) -> None:
+    text = role_eval("nvidia_driver", debian_container).render("apt-preferences.j2")
+    records = [dict(line.split(": ", 1) for line in block.splitlines() if not line.startswith("#"))
+               for block in text.split("\n\n")[1:]]
+    # Debian's driver, by the source packages that build it (its helpers, e.g. nvidia-support, stay available).
+    assert records[0]["Pin"] == "release o=Debian" and records[0]["Pin-Priority"] == "-1"
+    assert {"src:nvidia-graphics-drivers", "src:nvidia-persistenced"} <= set(records[0]["Package"].split())
+    assert records[1]["Pin"] == "version 580.*" and records[1]["Pin-Priority"] == "1001"
+    exact = role_eval("nvidia_driver", debian_container, nvidia_driver_version="580.65.06-1")
+    assert "Pin: version 580.65.06-1\n" in exact.render("apt-preferences.j2")
+    ubuntu = {**debian_container, "distribution": "Ubuntu", "distribution_version": "22.04"}
+    text = role_eval("nvidia_driver", ubuntu).render("apt-preferences.j2")
+    assert "Pin: release o=Ubuntu\n" in text and "src:nvidia-graphics-drivers-580-server" in text
+
+
+@pytest.mark.parametrize(("driver_cuda", "version", "pin"), [
+    ("13.0", "", r"/\+cuda13\./"), ("12.2", "", r"/\+cuda12\./"), ("13.0", "2.27.7-1+cuda13.0", "2.27.7-1+cuda13.0")])
+def test_nccl_apt_pin_holds_the_drivers_cuda_major_or_the_version(
+    role_eval: Any, hardware: Any, debian_container: dict, driver_cuda: str, version: str, pin: str
+) -> None:
+    r = role_eval("nccl", debian_container, shardstack_hardware=hardware(), nccl_version=version,
+                  nvidia_driver_compat={"branch": "580", "driver_cuda": driver_cuda})
+    lines = _lines(r.render("apt-preferences.j2"))
+    assert lines[-3:] == ["Package: libnccl2 libnccl-dev", f"Pin: version {pin}", "Pin-Priority: 1001"]
+
+
+def test_dcgm_unit_uses_the_nodes_host_engine(role_eval: Any, hardware: Any, debian_container: dict) -> None:
+    gpu = hardware(pci=("/sys/bus/pci/devices/0000:3b:00.0/vendor",))
+    r = role_eval("dcgm_exporter", debian_container, shardstack_hardware=gpu)
+    lines = _lines(r.render("dcgm-exporter.service.j2"))
+    assert "Requires=nvidia-dcgm.service" in lines
+    exec_start = next(line for line in lines if line.startswith("ExecStart="))
+    assert exec_start == ("ExecStart=/usr/bin/dcgm-exporter -f /etc/dcgm-exporter/shardstack-counters.csv "
+                          "-a 0.0.0.0:9401 -r localhost:5555")
+
+
+@pytest.mark.parametrize(("driver_cuda", "package"), [("13.0", "datacenter-gpu-manager-4-cuda13"),
+                                                      ("12.2", "datacenter-gpu-manager-4-cuda12")])
+def test_dcgm_package_follows_the_drivers_cuda_major(
+    role_eval: Any, debian_container: dict, driver_cuda: str, package: str
+) -> None:
+    r = role_eval("dcgm_exporter", debian_container, nvidia_driver_compat={"driver_cuda": driver_cuda})
+    assert r["__dcgm_exporter_packages_effective"] == [package, "datacenter-gpu-manager-exporter"]
+    mine = role_eval("dcgm_exporter", debian_container, dcgm_exporter_packages=["datacenter-gpu-manager"])
+    assert mine["__dcgm_exporter_packages_effective"] == ["datacenter-gpu-manager"]

@@ -17,7 +17,15 @@ from shardstack.model.gpt import GPT, GPTConfig
 from shardstack.train.config import config_from_dict
 from shardstack.train.dist import init_distributed
 from shardstack.train.engine import build_engine
-from shardstack.train.memory.autobatch import OK, OUT_OF_MEMORY, divisors_desc, find_micro_batch, replica, trial
+from shardstack.train.memory.autobatch import (
+    OK,
+    OUT_OF_MEMORY,
+    Recomputed,
+    divisors_desc,
+    find_micro_batch,
+    replica,
+    trial,
+)
 
 WORKER = Path(__file__).parent / "workers" / "autobatch_worker.py"
 TINY = {"size": "tiny", "n_layer": 2, "n_head": 2, "d_model": 32, "seq_len": 32, "vocab_size": 256}
@@ -40,6 +48,30 @@ def test_the_replica_has_every_layer_but_one_block_of_weights(world1) -> None:
     code, what = trial(model, engine, 2, 32, 256, 1 << 30, 1 << 20)  # a 1 GiB reservation under a 1 MiB limit
     assert code == OUT_OF_MEMORY and "can't allocate memory" in what
     assert trial(model, engine, 2, 32, 256, 0, 1 << 30)[0] == OK  # the limit was lifted again
+
+
+def test_the_replica_recomputes_where_the_engine_does(world1) -> None:
+    """every_n 2 over 3 layers recomputes places 0 and 2 (the one shared block inside), and autograd keeps less."""
+    tiny = {**TINY, "n_layer": 3}
+    cfg = config_from_dict({"model": tiny, "engine": {"stage": 0, "activation_checkpointing": "every_n",
+                                                      "activation_checkpointing_every": 2}})
+    torch.manual_seed(0)
+    engine = build_engine(GPT(GPTConfig(**{k: v for k, v in tiny.items() if k != "size"})), cfg.engine,
+                          cfg.optimizer, world1)
+    model = replica(cfg, engine)
+    assert [type(b) for b in model.blocks] == [Recomputed, type(model.blocks[1]), Recomputed]
+    assert model.blocks[0].block is model.blocks[1] is model.blocks[2].block
+    plain = replica(config_from_dict({"model": tiny}), engine)
+
+    def saved(m: torch.nn.Module) -> int:
+        sizes: list[int] = []
+        x = torch.randint(0, 256, (2, 32))
+        with torch.autograd.graph.saved_tensors_hooks(lambda t: sizes.append(t.numel()) or t, lambda t: t):
+            m(x, x)
+        return sum(sizes)
+
+    assert saved(model) < saved(plain)
+    assert trial(model, engine, 2, 32, 256, 0, 1 << 30) == (OK, "fits")
 
 
 def test_a_single_rank_takes_the_largest_candidate_that_fits(world1) -> None:

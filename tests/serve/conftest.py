@@ -7,6 +7,7 @@ on a 2-core machine)."""
 from __future__ import annotations
 
 import contextlib
+import json
 import os
 import signal
 import socket
@@ -21,7 +22,7 @@ import httpx
 import pytest
 from shardstack.serve.demo import write_random_model
 
-READY_TIMEOUT = 90.0  # import torch + load + warm-up on a busy 2-core machine
+READY_TIMEOUT = 180.0  # import torch + load + warm-up on a busy 2-core machine (importing torch alone: 37 s at load 9)
 
 
 class NotifySocket:
@@ -114,6 +115,52 @@ def model_dir() -> Iterator[Path]:
         yield write_random_model(Path(tmp) / "small", "small", seed=1234)
 
 
+# The Llama test model's second EOS (Llama 3 style: generation_config.json lists several): the token it greedily
+# generates as the EOS_AT-th after EOS_PROMPT.
+EOS_PROMPT, EOS_AT = "The value of", 6
+
+
+def greedy_ids(model_dir: Path, prompt: list[int], n: int) -> list[int]:
+    """The first n ids the model in `model_dir` generates greedily (plain forward passes, no KV cache)."""
+    import torch
+    from shardstack.model.artifact import load_model
+
+    model = load_model(model_dir)[0]
+    ids = list(prompt)
+    with torch.no_grad():
+        for _ in range(n):
+            ids.append(int(model(torch.tensor([ids]))[0, -1].argmax()))
+    return ids[len(prompt):]
+
+
+@pytest.fixture(scope="session")
+def bpe_tokenizer_dir() -> Iterator[Path]:
+    """A byte-level BPE tokenizer of 4096 tokens trained here on the shipped corpus, as `tokenizer train` makes it."""
+    from shardstack.model.tokenizer import train_bpe
+
+    corpus = Path(__file__).resolve().parents[2] / "runtime" / "shardstack" / "corpus" / "stdlib-docstrings.txt"
+    with tempfile.TemporaryDirectory(prefix="ss-bpe-") as tmp:
+        train_bpe([corpus], 4096, tmp)
+        yield Path(tmp)
+
+
+@pytest.fixture(scope="session")
+def bpe_model_dir(bpe_tokenizer_dir: Path) -> Iterator[Path]:
+    """A random Llama (preset small: 4 layers, d=128, 4 query / 2 key-value heads, context 256) with that
+    byte-level BPE tokenizer (4096 tokens), in Hugging Face's layout as `export --format hf` writes it. Its
+    generation_config.json adds a second EOS id: the token it greedily generates EOS_AT-th after EOS_PROMPT."""
+    from shardstack.model.tokenizer import HFTokenizer
+
+    with tempfile.TemporaryDirectory(prefix="ss-serve-llama-") as tmp:
+        out = write_random_model(Path(tmp) / "llama", "small", arch="llama", tokenizer=bpe_tokenizer_dir, fmt="hf",
+                                 seed=1234)
+        ids = greedy_ids(out, HFTokenizer(out).encode_prompt(EOS_PROMPT), EOS_AT)
+        assert ids[-1] not in ids[:-1], ids  # otherwise generation would end earlier than the test expects
+        config = json.loads((out / "generation_config.json").read_text())
+        (out / "generation_config.json").write_text(json.dumps({**config, "eos_token_id": [0, ids[-1]]}))
+        yield out
+
+
 @pytest.fixture
 def workdir() -> Iterator[Path]:
     # Short path under /tmp: unix socket paths are limited to 107 bytes.
@@ -137,17 +184,37 @@ AUTH = {"Authorization": f"Bearer {TOKEN}"}
 JSON = {**AUTH, "Content-Type": "application/json"}
 
 
-@pytest.fixture(scope="session")
-def svc(model_dir: Path) -> Iterator[Service]:
+@contextlib.contextmanager
+def _authenticated_service(model: Path, *args: str) -> Iterator[Service]:
+    """The service the API tests share: bearer token, bounded tokens, body and concurrency."""
     with tempfile.TemporaryDirectory(prefix="ss-") as tmp:
         token_file = Path(tmp) / "token"
         token_file.write_text(TOKEN + "\n")
-        with running_service(model_dir, Path(tmp), "--token-file", str(token_file), "--max-tokens", "64",
-                             "--max-body-bytes", "65536", "--max-concurrency", "8") as s:
+        with running_service(model, Path(tmp), "--token-file", str(token_file), "--max-tokens", "64",
+                             "--max-body-bytes", "65536", "--max-concurrency", "8", *args) as s:
             yield s
+
+
+@pytest.fixture(scope="session")
+def svc(model_dir: Path) -> Iterator[Service]:
+    with _authenticated_service(model_dir) as s:
+        yield s
 
 
 @pytest.fixture(scope="session")
 def client(svc: Service) -> Iterator[httpx.Client]:
     with httpx.Client(base_url=svc.url, timeout=60) as c:
+        yield c
+
+
+@pytest.fixture(scope="session")
+def bpe_svc(bpe_model_dir: Path) -> Iterator[Service]:
+    """The same service over the BPE Llama (also named "small", so the fuzz test's requests fit either)."""
+    with _authenticated_service(bpe_model_dir, "--model-name", "small") as s:
+        yield s
+
+
+@pytest.fixture(scope="session")
+def bpe_client(bpe_svc: Service) -> Iterator[httpx.Client]:
+    with httpx.Client(base_url=bpe_svc.url, timeout=60) as c:
         yield c

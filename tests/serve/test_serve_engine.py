@@ -13,8 +13,12 @@ import pytest
 import torch
 from shardstack.model.artifact import load_model
 from shardstack.model.kvcache import KVCache
+from shardstack.model.tokenizer import ByteTokenizer
 from shardstack.serve.sampling import SamplingParams
 from shardstack.serve.scheduler import Output, QueueFull, Scheduler, Sequence
+from shardstack.serve.text import eos_ids, model_tokenizer
+
+from .conftest import EOS_AT, EOS_PROMPT, greedy_ids
 
 
 @pytest.fixture(scope="module")
@@ -25,7 +29,7 @@ def model(model_dir: Path):
 
 @pytest.fixture
 def engine(model) -> Iterator[Scheduler]:
-    eng = Scheduler(model, max_batch=4, max_queue=2, device="cpu", dtype=torch.float32)
+    eng = Scheduler(model, tokenizer=BYTES, max_batch=4, max_queue=2, device="cpu", dtype=torch.float32)
     eng.start()
     yield eng
     eng.stop()
@@ -34,15 +38,19 @@ def engine(model) -> Iterator[Scheduler]:
 @pytest.fixture
 def wide_engine(model) -> Iterator[Scheduler]:
     """Room for a whole test batch at once: 5 requests, 8 slots."""
-    eng = Scheduler(model, max_batch=8, max_queue=0, device="cpu", dtype=torch.float32)
+    eng = Scheduler(model, tokenizer=BYTES, max_batch=8, max_queue=0, device="cpu", dtype=torch.float32)
     eng.start()
     yield eng
     eng.stop()
 
 
+BYTES = ByteTokenizer()  # the random GPT's: token = byte
+
+
 class Collector:
     def __init__(self) -> None:
-        self.data = b""
+        self.data = ""
+        self.tokens = 0
         self.finish: str | None = None
         self.error: str | None = None
         self.events = 0
@@ -50,6 +58,7 @@ class Collector:
 
     def __call__(self, ev: Output) -> None:
         self.data += ev.data
+        self.tokens = ev.completion_tokens
         self.events += 1
         if ev.finish_reason or ev.error:
             self.finish, self.error = ev.finish_reason, ev.error
@@ -79,8 +88,11 @@ def test_batched_generation_matches_one_at_a_time(engine: Scheduler) -> None:
     for c in collectors:
         assert c.done.wait(30)
     assert [(c.data, c.finish) for c in collectors] == alone
-    assert all(finish == "length" and len(data) == 24 for data, finish in alone)
+    assert all(c.finish == "length" and c.tokens == 24 for c in collectors)
     assert engine.steps - steps_alone < 4 * 24  # the batch shared steps (~24-30), alone they took 96
+
+
+STILL = SamplingParams(temperature=0.0)  # the request that checks the engine still serves
 
 
 def _batch_with(engine: Scheduler, bad: Sequence, bad_collector: Collector) -> None:
@@ -102,7 +114,7 @@ def _batch_with(engine: Scheduler, bad: Sequence, bad_collector: Collector) -> N
     assert collectors[1].events == 1 and collectors[0].events > 1  # non-streamed and streamed neighbours
     _wait_idle(engine)
     assert engine.counts() == (0, 0)  # the failed request's slot was freed
-    assert engine.generate(list(b"still serving"), 4, SamplingParams())[1] == "length"
+    assert engine.generate(list(b"still serving"), 4, STILL)[1] == "length"
 
 
 def test_unusable_sampling_parameters_fail_one_request_not_its_batch(wide_engine: Scheduler) -> None:
@@ -110,7 +122,7 @@ def test_unusable_sampling_parameters_fail_one_request_not_its_batch(wide_engine
     # The HTTP schema refuses it; the engine must contain it anyway (library callers bypass the schema).
     c = Collector()
     _batch_with(wide_engine, Sequence(list(b"poisoned"), 24, SamplingParams(temperature=1.0, top_p=1e-300), [], c), c)
-    assert c.error is not None and c.error.startswith("sampling failed") and c.data == b""
+    assert c.error is not None and c.error.startswith("sampling failed") and c.data == ""
 
 
 def test_an_exception_in_a_requests_callback_fails_it_alone(wide_engine: Scheduler) -> None:
@@ -125,16 +137,17 @@ def test_an_exception_in_a_requests_callback_fails_it_alone(wide_engine: Schedul
     assert c.error == "engine error: RuntimeError"
 
 
-def test_a_row_of_nan_logits_fails_its_request_alone(model, wide_engine: Scheduler) -> None:
-    # A real model with one corrupted embedding row: only a sequence holding that byte gets NaN logits, so the byte
-    # is one that neither the prompts nor what the healthy model generates from them contain.
-    healthy = [wide_engine.generate(list(p), 24, sp)[0] for p, sp in zip(PROMPTS, PARAMS, strict=True)]
-    seen = b"".join(PROMPTS + healthy)
-    nan_byte = next(b for b in range(1, 256) if b not in seen)
+def test_a_row_of_nan_logits_fails_its_request_alone(model, engine: Scheduler) -> None:
+    # A real model with one corrupted embedding row: only a prompt holding that byte gets NaN logits. The byte is
+    # one no prompt holds and the healthy model does not generate for them (an ASCII byte: it decodes as itself).
+    healthy = "".join(engine.generate(list(p), 24, sp)[0] for p, sp in zip(PROMPTS, PARAMS, strict=True))
+    healthy += engine.generate(list(b"still serving"), 4, STILL)[0]
+    seen = {*b"".join(PROMPTS), *b"bad still serving", *healthy.encode()}
+    nan_byte = next(b for b in range(1, 128) if b not in seen)
     broken = copy.deepcopy(model)
     broken.tok_emb.weight = torch.nn.Parameter(broken.tok_emb.weight.detach().clone())  # untie from lm_head
     broken.tok_emb.weight.data[nan_byte] = float("nan")
-    eng = Scheduler(broken, max_batch=8, max_queue=0, device="cpu", dtype=torch.float32)
+    eng = Scheduler(broken, tokenizer=BYTES, max_batch=8, max_queue=0, device="cpu", dtype=torch.float32)
     eng.start()
     try:
         c = Collector()
@@ -152,7 +165,7 @@ def test_more_requests_than_slots_reuse_slots_and_queue_is_bounded(engine: Sched
         engine.submit(Sequence(list(b"one too many"), 4, SamplingParams(), [], Collector()))
     for i, c in enumerate(collectors):
         assert c.done.wait(30)
-        assert (c.finish, len(c.data)) == ("length", 40 + i)
+        assert (c.finish, c.tokens) == ("length", 40 + i)
     _wait_idle(engine)
     assert engine.counts() == (0, 0)
 
@@ -166,7 +179,7 @@ def test_stop_sequence_ends_generation_early(engine: Scheduler) -> None:
 
 
 def test_cancelled_request_frees_its_slot(model) -> None:
-    eng = Scheduler(model, max_batch=1, max_queue=0, device="cpu", dtype=torch.float32)
+    eng = Scheduler(model, tokenizer=BYTES, max_batch=1, max_queue=0, device="cpu", dtype=torch.float32)
     eng.start()
     try:
         c = Collector()
@@ -191,12 +204,13 @@ def test_heartbeat_advances_while_idle(engine: Scheduler) -> None:
 def test_half_precision_engine_generates(model_dir: Path) -> None:
     # The GPU default is bf16 weights and KV cache; the same code path runs (slowly) on CPU.
     half = load_model(model_dir, "cpu", torch.bfloat16)[0]
-    eng = Scheduler(half, max_batch=2, max_queue=0, device="cpu", dtype=torch.bfloat16)
+    eng = Scheduler(half, tokenizer=BYTES, max_batch=2, max_queue=0, device="cpu", dtype=torch.bfloat16)
     assert eng.runner.cache.k.dtype == torch.bfloat16
     eng.start()
     try:
-        data, finish = eng.generate(list(b"bf16"), 8, SamplingParams(temperature=0.0))
-        assert (len(data), finish) == (8, "length")
+        c = Collector()
+        eng.submit(Sequence(list(b"bf16"), 8, SamplingParams(temperature=0.0), [], c))
+        assert c.done.wait(30) and (c.tokens, c.finish) == (8, "length")
     finally:
         eng.stop()
 
@@ -214,3 +228,24 @@ def test_packed_slots_attend_through_a_view_with_the_same_result(model) -> None:
         for t in range(8, 12):
             step = model(idx[:, t : t + 1], cache=cache, slots=s, positions=torch.full((3,), t))
             torch.testing.assert_close(step[:, 0], full[:, t])
+
+
+def test_a_llama_with_bpe_stops_at_its_eos_without_sending_it(bpe_model_dir: Path) -> None:
+    model, meta = load_model(bpe_model_dir, "cpu", torch.float32)
+    tok = model_tokenizer(bpe_model_dir, meta, model.config.vocab_size)
+    prompt = tok.encode_prompt(EOS_PROMPT)
+    ids = greedy_ids(bpe_model_dir, prompt, EOS_AT)
+    eos = eos_ids(bpe_model_dir, tok)
+    assert eos == {0, ids[-1]}  # the tokenizer's <|endoftext|> and generation_config.json's second one
+    eng = Scheduler(model, tokenizer=tok, eos_ids=eos, max_batch=2, max_queue=0, device="cpu", dtype=torch.float32)
+    c = model.config  # the KV cache holds n_kv_head heads per layer (grouped-query attention), not n_head
+    assert eng.runner.cache.k.shape == (c.n_layer, 2, c.n_kv_head, c.seq_len, c.head_dim) and c.n_kv_head < c.n_head
+    eng.start()
+    try:
+        for stream in (True, False):
+            got = Collector()
+            eng.submit(Sequence(prompt, 32, SamplingParams(temperature=0.0), [], got, stream=stream))
+            assert got.done.wait(30)
+            assert (got.data, got.finish, got.tokens) == (tok.decode(ids[:-1]), "stop", EOS_AT)
+    finally:
+        eng.stop()

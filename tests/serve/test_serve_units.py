@@ -10,53 +10,90 @@ from pathlib import Path
 
 import pytest
 import torch
+from shardstack.model.tokenizer import ByteTokenizer, HFTokenizer, Tokenizer
 from shardstack.serve.notify import Notifier
-from shardstack.serve.protocol import QUOTE_CHARS, ApiError, ErrorBody, Limits, parse_completion
+from shardstack.serve.protocol import QUOTE_CHARS, ApiError, ErrorBody, Limits, PromptContext, parse_completion
 from shardstack.serve.sampling import SamplingParams, make_generator, sample
-from shardstack.serve.text import StopBuffer, decode, utf8_stream_decoder
+from shardstack.serve.text import TextStream
+
+BYTES = ByteTokenizer()
 
 
-def _feed(buf: StopBuffer, data: bytes) -> tuple[bytes, bool]:
-    out = b""
-    for byte in data:
-        chunk, stopped = buf.push(byte)
-        out += chunk
+def _feed(tokenizer: Tokenizer, stops: list[str], ids: list[int]) -> tuple[list[str], bool]:
+    """The deltas a TextStream releases for `ids`, and whether a stop ended it (as the engine drives it)."""
+    stream, deltas = TextStream(tokenizer, stops), []
+    for i in ids:
+        delta, stopped = stream.push(i)
+        deltas.append(delta)
         if stopped:
-            return out, True
-    return out + buf.flush(), False
+            return deltas, True
+    delta, stopped = stream.finish()
+    return [*deltas, delta], stopped
 
 
 @pytest.mark.parametrize(
     ("stops", "generated", "expected", "stopped"),
     [
-        ([], b"hello world", b"hello world", False),
-        ([b"wor"], b"hello world", b"hello ", True),
-        ([b"xyz"], b"hello xy", b"hello xy", False),  # a partial match is released at the end
-        ([b"lo w", b"o"], b"hello world", b"hell", True),  # the earliest completion wins
-        ([b"ll", b"hell"], b"hello", b"", True),  # both end at byte 4; the longer one cuts earlier
+        ([], "hello world", "hello world", False),
+        (["wor"], "hello world", "hello ", True),
+        (["xyz"], "hello xy", "hello xy", False),  # a partial match is released at the end
+        (["lo w", "o"], "hello world", "hell", True),  # the earliest completion wins
+        (["ll", "hell"], "hello", "", True),  # both end at character 4; the longer one cuts earlier
+        (["é"], "café au lait", "caf", True),  # a 2-byte stop: the cut falls between characters
+        (["✓ d"], "ok ✓ done", "ok ", True),
     ],
 )
-def test_stop_buffer(stops: list[bytes], generated: bytes, expected: bytes, stopped: bool) -> None:
-    assert _feed(StopBuffer(stops), generated) == (expected, stopped)
+def test_stop_sequences_on_text(stops: list[str], generated: str, expected: str, stopped: bool) -> None:
+    deltas, hit = _feed(BYTES, stops, BYTES.encode(generated))
+    assert ("".join(deltas), hit) == (expected, stopped)
 
 
-def test_stop_buffer_never_releases_a_prefix_of_a_stop() -> None:
-    buf = StopBuffer([b"END"])
-    released = b""
-    for byte in b"abcEN":
-        released += buf.push(byte)[0]
-    assert released == b"abc"  # "EN" is held back: it may still become "END"
-    assert buf.push(ord("D")) == (b"", True)
+def test_no_part_of_a_stop_string_is_ever_released() -> None:
+    # Stop "éND" (3 characters, 4 bytes): the last 2 characters stay held, and the half of "é" is not even text yet.
+    deltas, hit = _feed(BYTES, ["éND"], BYTES.encode("abcéND"))
+    assert hit and deltas == ["", "", "a", "", "b", "c", ""]
+    deltas, hit = _feed(BYTES, ["éND"], BYTES.encode("abcéNx"))  # no match: everything leaves at the end
+    assert not hit and "".join(deltas) == "abcéNx" and deltas[-2:] == ["é", "Nx"]
 
 
-def test_streamed_utf8_equals_one_shot_decode() -> None:
-    # Multi-byte characters split across tokens, stray continuation bytes and a truncated sequence at the end.
-    data = "héllo ✓ 🚀".encode() + b"\x80\xff" + "日本".encode() + b"\xe6\x97"
-    decoder = utf8_stream_decoder()
-    parts = [decoder.decode(bytes([b])) for b in data[:-1]] + [decoder.decode(data[-1:], final=True)]
-    assert "".join(parts) == decode(data)
-    assert "\ufffd" in decode(data)
-    assert all("\ufffd" not in p for p in parts[:2])  # "h", then the half of "é" is held, not replaced
+@pytest.fixture(scope="module")
+def bpe(bpe_tokenizer_dir: Path) -> HFTokenizer:
+    return HFTokenizer(bpe_tokenizer_dir)  # a byte-level BPE of 4096 tokens trained on the shipped corpus
+
+
+def test_bpe_characters_split_across_tokens_are_released_whole(bpe: HFTokenizer) -> None:
+    text = "naïve café ✓ 🚀 日本語, done"
+    ids = bpe.encode(text)
+    assert any("\ufffd" in bpe.decode([i]) for i in ids), "no character of the text is split across tokens"
+    deltas, hit = _feed(bpe, [], ids)
+    assert not hit and "".join(deltas) == text
+    assert all("\ufffd" not in d for d in deltas) and "" in deltas[:-1]  # a half character waits for its rest
+
+
+def test_bpe_stop_sequence_across_token_boundaries(bpe: HFTokenizer) -> None:
+    text = "Return the number of items in the list ✓ done."
+    ids = bpe.encode(text)
+    for stop, expected in (("er of it", "Return the numb"), ("✓", "Return the number of items in the list ")):
+        assert all(stop not in bpe.decode([i]) for i in ids)  # no single token holds it: the match spans tokens
+        deltas, hit = _feed(bpe, [stop, "never"], ids)
+        assert (hit, "".join(deltas)) == (True, expected)
+
+
+@pytest.mark.parametrize("which", ["bytes", "bpe"])
+def test_random_ids_release_the_full_decode_cut_at_the_first_stop(bpe: HFTokenizer, which: str) -> None:
+    # Any ids a model may sample, broken UTF-8 included: the released text is decode(ids) up to the stop, whatever
+    # the cuts between deltas.
+    tok = BYTES if which == "bytes" else bpe
+    for seed in range(40):
+        g = torch.Generator().manual_seed(seed)
+        ids = torch.randint(0, tok.vocab_size, (int(torch.randint(1, 40, (1,), generator=g)),), generator=g).tolist()
+        full = tok.decode(ids)
+        deltas, hit = _feed(tok, [], ids)
+        assert ("".join(deltas), hit) == (full, False)
+        start = int(torch.randint(0, len(full), (1,), generator=g))
+        stop = full[start : start + 3]
+        deltas, hit = _feed(tok, [stop], ids)
+        assert ("".join(deltas), hit) == (full[: full.index(stop)], True)
 
 
 def test_greedy_and_tiny_top_p_pick_the_argmax() -> None:
@@ -105,15 +142,16 @@ def test_seeded_draws_do_not_depend_on_batch_neighbours() -> None:
 
 
 LIMITS = Limits(context=64, max_tokens=32)
+BYTE_PROMPTS = PromptContext(BYTES, 256)
 
 
-def _parse(body: object):  # as a client sends it: JSON text, non-ASCII escaped (lone surrogates become \udXXX)
-    return parse_completion(json.dumps(body).encode(), LIMITS, "m")
+def _parse(body: object, prompt: PromptContext = BYTE_PROMPTS):  # as a client sends it: JSON text, non-ASCII
+    return parse_completion(json.dumps(body).encode(), LIMITS, "m", prompt)  # escaped (lone surrogates as \udXXX)
 
 
-def _rejection(body: object, raw: bytes | None = None) -> ApiError:
+def _rejection(body: object, raw: bytes | None = None, prompt: PromptContext = BYTE_PROMPTS) -> ApiError:
     with pytest.raises(ApiError) as err:
-        parse_completion(json.dumps(body).encode() if raw is None else raw, LIMITS, "m")
+        parse_completion(json.dumps(body).encode() if raw is None else raw, LIMITS, "m", prompt)
     ErrorBody.model_validate(json.loads(err.value.json()))  # the one error shape, and always encodable
     return err.value
 
@@ -122,15 +160,41 @@ def test_parse_defaults_and_forms() -> None:
     req = _parse({"prompt": "hi"})
     assert (req.prompt, req.max_tokens, req.stream, req.stop) == ([104, 105], 16, False, [])
     assert req.sampling == SamplingParams(temperature=1.0, top_p=1.0, seed=None)
-    assert _parse({"prompt": ["hi"], "model": "m", "stop": "x"}).stop == [b"x"]
+    assert _parse({"prompt": ["hi"], "model": "m", "stop": "x"}).stop == ["x"]
     assert _parse({"prompt": [1, 2, 255]}).prompt == [1, 2, 255]
     full = _parse({"prompt": "é", "max_tokens": 3, "temperature": 0, "top_p": 1, "seed": -1, "stream": True,
                    "stream_options": {"include_usage": True}, "stop": ["\u2603", "ab"], "user": "u", "n": 1,
                    "echo": False, "logprobs": None, "presence_penalty": 0.0})
     assert (full.prompt, full.max_tokens, full.stream, full.include_usage) == ([0xC3, 0xA9], 3, True, True)
     assert full.sampling == SamplingParams(temperature=0.0, top_p=1.0, seed=-1)
-    assert full.stop == ["\u2603".encode(), b"ab"]
+    assert full.stop == ["\u2603", "ab"]
     assert _parse({"prompt": "x", "top_p": 1.2e-38, "temperature": 1.2e-38}).sampling.top_p == 1.2e-38
+
+
+def test_prompts_use_the_served_models_tokenizer_and_vocabulary(bpe: HFTokenizer) -> None:
+    ctx = PromptContext(bpe, 4096)
+    assert _parse({"prompt": "Return the value"}, ctx).prompt == bpe.encode("Return the value")
+    assert len(bpe.encode("Return the value")) < len("Return the value")  # words, not bytes
+    assert _parse({"prompt": [0, 4095]}, ctx).prompt == [0, 4095]
+    err = _rejection({"prompt": [5, 4096]}, prompt=ctx)
+    assert (err.param, err.message) == ("prompt", "prompt: token ids must be in [0, 4095] (the model's vocabulary)")
+    assert _rejection({"prompt": [256]}).message == "prompt: token ids must be in [0, 255] (the model's vocabulary)"
+
+
+def test_a_prompt_gets_the_bos_its_tokenizer_adds(bpe: HFTokenizer, bpe_tokenizer_dir: Path, tmp_path: Path) -> None:
+    # Llama 3's tokenizer.json adds <|begin_of_text|> through its post-processor; ours has none (its model never saw
+    # a BOS). The prompt follows the file, as transformers' tokenizers do.
+    from tokenizers.processors import TemplateProcessing
+
+    assert bpe.encode_prompt("hi") == bpe.encode("hi")
+    edited = HFTokenizer(bpe_tokenizer_dir).tok
+    edited.post_processor = TemplateProcessing(single="<|endoftext|> $A", special_tokens=[("<|endoftext|>", 0)])
+    for name in ("tokenizer_config.json", "special_tokens_map.json"):
+        (tmp_path / name).write_bytes((bpe_tokenizer_dir / name).read_bytes())
+    edited.save(str(tmp_path / "tokenizer.json"))
+    with_bos = HFTokenizer(tmp_path)
+    assert with_bos.encode_prompt("hi") == [0, *bpe.encode("hi")]
+    assert _parse({"prompt": "hi"}, PromptContext(with_bos, 4096)).prompt == [0, *bpe.encode("hi")]
 
 
 @pytest.mark.parametrize(

@@ -22,6 +22,7 @@ _COMMAND_MODULES: list[tuple[str, str, str]] = [
     ("validate", "shardstack.cli.deploy", "validate a deployed cluster: GPUs, NCCL, all-reduce, storage, inference"),
     ("data", "shardstack.cli.data", "prepare token shards for training"),
     ("tokenizer", "shardstack.cli.tokenizer", "train a byte-level BPE tokenizer"),
+    ("pretrained", "shardstack.cli.pretrained", "build the demo's small pretrained Llama here (cached)"),
     ("train", "shardstack.cli.train", "training: run a job here, or submit/status/stop/logs on the cluster"),
     ("estimate", "shardstack.cli.estimate", "predict per-rank training memory for each ZeRO stage"),
     ("checkpoint", "shardstack.cli.checkpoint", "list and verify training checkpoints"),
@@ -29,6 +30,8 @@ _COMMAND_MODULES: list[tuple[str, str, str]] = [
     ("serve", "shardstack.cli.serve", "OpenAI-compatible inference service (serve rollout: on the cluster)"),
     ("node", "shardstack.cli.node", "cordon, drain and uncordon nodes (HAProxy runtime API, train job exclusion)"),
     ("status", "shardstack.cli.status", "the cluster in one table: nodes, failed units, training, backends, alerts"),
+    ("artifacts", "shardstack.cli.artifacts", "training artefacts on shared storage: prune old ones"),
+    ("logs", "shardstack.cli.logs", "search every node's journal in the central log store"),
     ("wheelhouse", "shardstack.cli.wheelhouse", "build the offline wheelhouse the nodes install shardstack from"),
     ("demo", "shardstack.cli.demo", "the lab end to end: lab up, site.yml, train, export, serve, validate"),
 ]

@@ -40,11 +40,15 @@ def _cmd_estimate(args: argparse.Namespace) -> int:
         for r in results:
             print(json.dumps(asdict(r)))
         return 0
+    first = results[0]
     print(f"per-rank memory, world size {world}, precision {cfg.engine.precision}, offload {cfg.engine.offload}, "
-          f"micro-batch {results[0].micro_batch} (formulas: docs/runtime.md)")
-    print(f"{'stage':>5} {'params':>11} {'grads':>11} {'optimizer':>11} {'= state':>11} {'working':>11} "
-          f"{'activations':>11} {'peak':>11}")
+          f"micro-batch {first.micro_batch}, activation checkpointing {cfg.engine.activation_checkpointing} "
+          f"({first.checkpointed_blocks} blocks recomputed), AdamW {first.optimizer_impl} (formulas: docs/runtime.md)")
+    cols = ("params", "grads", "optimizer", "= state", "working", "activations", "opt. temp", "peak", "first step",
+            "init")
+    print(f"{'stage':>5} " + " ".join(f"{c:>11}" for c in cols))
     for r in results:
-        print(f"{r.stage:>5} {_fmt(r.params):>11} {_fmt(r.grads):>11} {_fmt(r.optimizer):>11} {_fmt(r.total):>11} "
-              f"{_fmt(r.working_params + r.accumulation_grads):>11} {_fmt(r.activations):>11} {_fmt(r.peak):>11}")
+        vals = (r.params, r.grads, r.optimizer, r.total, r.working_params + r.accumulation_grads, r.activations,
+                r.optimizer_temporaries, r.peak, r.first_step_peak, r.init_peak)
+        print(f"{r.stage:>5} " + " ".join(f"{_fmt(v):>11}" for v in vals))
     return 0

@@ -34,7 +34,9 @@ def _positive(kind: Callable[[str], float]) -> Callable[[str], float]:
 def register(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("serve", help="OpenAI-compatible inference service for an exported model")
     # Not required: `serve rollout` needs none; `serve` itself checks for it.
-    p.add_argument("--model", type=Path, default=None, help="exported model dir (model.safetensors + config.json)")
+    p.add_argument("--model", type=Path, default=None,
+                   help="a `shardstack export` directory (either format) or a Hugging Face Llama directory; its "
+                        "tokenizer.json is the tokenizer (none: bytes)")
     p.add_argument("--model-name", default=None, help="name clients pass as `model` (default: the dir's name)")
     p.add_argument("--host", default="127.0.0.1", help="bind address (default 127.0.0.1)")
     p.add_argument("--port", type=int, default=8000, help="port (default 8000)")
@@ -44,6 +46,8 @@ def register(sub: argparse._SubParsersAction) -> None:
                    help="requests waiting for a slot before new ones get 429 (default 64)")
     p.add_argument("--max-tokens", type=_positive(int), default=None,
                    help="ceiling for a request's max_tokens (default: the model context)")
+    p.add_argument("--context", type=_positive(int), default=None,
+                   help="tokens per KV-cache slot, at most the model's (default: the model's context)")
     p.add_argument("--max-body-bytes", type=_positive(int), default=1 << 20, help="request body limit (1 MiB)")
     p.add_argument("--max-prefill-tokens", type=_positive(int), default=4096,
                    help="padded prompt tokens prefilled in one step (default 4096)")
@@ -109,6 +113,7 @@ def run(args: argparse.Namespace) -> int:
         max_concurrency=args.max_concurrency,
         max_queue=args.max_queue,
         max_tokens=args.max_tokens,
+        context=args.context,
         max_body_bytes=args.max_body_bytes,
         max_prefill_tokens=args.max_prefill_tokens,
         token=token,

@@ -41,8 +41,9 @@ def table(st: status_ops.Status) -> Table:
         t.add_row("training", tr["node"], "reporting", detail)
     for b in st.backends:
         colour = "green" if b["status"] == "UP" else "yellow" if b["status"] == "DRAIN" else "red"
-        t.add_row("backend", b["server"], f"[{colour}]{b['status']}[/]",
-                  f"{b['sessions']} sessions, {b['req_rate']} req/s")
+        detail = (f"{b['sessions']} sessions, {b['queued']} queued, {b['sessions_total']} since start, "
+                  f"check {b['check'] or '-'}")
+        t.add_row("backend", b["server"], f"[{colour}]{b['status']}[/]", detail)
     for a in st.alerts:
         colour = "red" if a["severity"] == "critical" else "yellow"
         t.add_row("alert", a["name"], f"[{colour}]{a['severity']}[/]", f"{a['node']} {a['summary']}".strip())

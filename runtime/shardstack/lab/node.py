@@ -60,6 +60,9 @@ def boot(lab: st.LabState, node: st.NodeState) -> int:
         "systemd-nspawn", "--boot", "--register=no", "--keep-unit", f"--network-namespace-path=/run/netns/{node.netns}",
         "--resolv-conf=off", "--timezone=off", "--link-journal=no", "--console=read-only", "-q",
         f"--bind={lab.dir}/shared:{SHARED_MOUNT}", "-D", node.root, "-M", node.name,
+        # A node administers its own network namespace (the firewall role loads nftables rules), as a real host
+        # does; nspawn grants CAP_NET_ADMIN only to containers whose network it creates itself.
+        "--capability=CAP_NET_ADMIN",
     ]
     if Path("/dev/fuse").exists():
         cmd.append("--bind=/dev/fuse")

@@ -16,7 +16,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from shardstack.model.init import init_parameters
-from shardstack.model.kvcache import KVCache, LayerCache
+from shardstack.model.kvcache import KVCache, LayerCache, positions_and_caches
 
 BYTE_VOCAB = 256  # the default byte-level tokenizer: token id == byte value
 
@@ -145,19 +145,7 @@ class GPT(nn.Module):
 
         With `cache`, row b of `idx` continues the sequence in cache slot `slots[b]` from `positions[b]`.
         """
-        _b, t = idx.shape
-        if cache is None:
-            if t > self.config.seq_len:
-                raise ValueError(f"sequence of {t} tokens is longer than seq_len={self.config.seq_len}")
-            pos = torch.arange(t, device=idx.device)[None]
-            layer_caches = [None] * len(self.blocks)
-        else:
-            assert slots is not None and positions is not None
-            pos = positions[:, None] + torch.arange(t, device=idx.device)
-            if int(pos.max()) >= min(self.config.seq_len, cache.max_len):
-                raise ValueError("sequence longer than the model's context")
-            dense = bool((slots == torch.arange(slots.numel(), device=slots.device)).all())
-            layer_caches = [LayerCache(cache, i, slots, positions, t, dense) for i in range(len(self.blocks))]
+        pos, layer_caches = positions_and_caches(idx, self.config.seq_len, len(self.blocks), cache, slots, positions)
         x = self.drop(self.tok_emb(idx) + self.pos_emb(pos))
         for block, layer_cache in zip(self.blocks, layer_caches, strict=True):
             x = block(x, layer_cache)

@@ -52,3 +52,23 @@ class LayerCache:
         # index_select on the sliced view copies only the live prefix (several times faster than fancy indexing).
         k = self.k[:, :, : self.length].index_select(0, slots)
         return k, self.v[:, :, : self.length].index_select(0, slots), self.mask
+
+
+def positions_and_caches(idx: torch.Tensor, seq_len: int, n_layer: int, cache: KVCache | None,
+                         slots: torch.Tensor | None, positions: torch.Tensor | None,
+                         ) -> tuple[torch.Tensor, list[LayerCache | None]]:
+    """A forward's token positions ([1, T] without a cache, [B, T] with one) and each layer's cache view.
+
+    With `cache`, row b of `idx` continues the sequence in cache slot `slots[b]` from `positions[b]`.
+    """
+    t = idx.size(1)
+    if cache is None:
+        if t > seq_len:
+            raise ValueError(f"sequence of {t} tokens is longer than seq_len={seq_len}")
+        return torch.arange(t, device=idx.device)[None], [None] * n_layer
+    assert slots is not None and positions is not None
+    pos = positions[:, None] + torch.arange(t, device=idx.device)
+    if int(pos.max()) >= min(seq_len, cache.max_len):
+        raise ValueError("sequence longer than the model's context")
+    dense = bool((slots == torch.arange(slots.numel(), device=slots.device)).all())
+    return pos, [LayerCache(cache, i, slots, positions, t, dense) for i in range(n_layer)]

@@ -32,6 +32,7 @@ class Tokenizer(Protocol):
     eos_id: int | None
 
     def encode(self, text: str) -> list[int]: ...
+    def encode_prompt(self, text: str) -> list[int]: ...
     def decode(self, ids: Sequence[int]) -> str: ...
 
 
@@ -42,6 +43,8 @@ class ByteTokenizer:
 
     def encode(self, text: str) -> list[int]:
         return list(text.encode("utf-8"))
+
+    encode_prompt = encode
 
     def decode(self, ids: Sequence[int]) -> str:
         return bytes(ids).decode("utf-8", errors="replace")
@@ -76,6 +79,11 @@ class HFTokenizer:
 
     def encode(self, text: str) -> list[int]:
         return self.tok.encode(text, add_special_tokens=False).ids
+
+    def encode_prompt(self, text: str) -> list[int]:
+        """A prompt as the model expects it: with what tokenizer.json's post-processor adds (Llama 3's
+        <|begin_of_text|>; nothing for a tokenizer from `tokenizer train`, whose models never saw a BOS)."""
+        return self.tok.encode(text, add_special_tokens=True).ids
 
     def decode(self, ids: Sequence[int]) -> str:
         return self.tok.decode(list(ids), skip_special_tokens=False)

@@ -1,12 +1,14 @@
 """Day-2 helpers on a deployed cluster: inventory lookups, waiting for a job, export to the serving directory,
 and a client for the inference endpoint through the load balancer. Everything goes through ansible-runner (or
-plain HTTP to the load balancer), so it works the same on the lab and on a real cluster.
+HTTPS to the load balancer, trusting the cluster CA), so it works the same on the lab and on a real cluster.
 """
 
 from __future__ import annotations
 
+import functools
 import json
 import shlex
+import ssl
 import time
 import urllib.error
 import urllib.request
@@ -16,7 +18,7 @@ from typing import Any
 
 from shardstack.errors import ShardstackError
 from shardstack.ops import train as train_ops
-from shardstack.ops.runner import existing_inventory, project_dir, run_command, tools_on_path
+from shardstack.ops.runner import existing_inventory, project_dir, run_command, run_module, tools_on_path
 
 
 def inventory_hosts(inventory: Path) -> dict[str, Any]:
@@ -58,11 +60,15 @@ def check_inventory(inventory: Path) -> list[str]:
     return problems
 
 
+def _first_hostvars(inv: dict[str, Any], group_name: str) -> dict[str, Any]:
+    hosts = inv["groups"].get(group_name) or []
+    return inv["hostvars"].get(hosts[0], {}) if hosts else {}
+
+
 def setting(inv: dict[str, Any], name: str, role: str, group_name: str = "all") -> Any:
     """A variable as the roles see it on the group's first host: the inventory's value, else the role's default.
     Only plain values resolve here (no play runs): a default that is a template must be set in the inventory."""
-    hosts = inv["groups"].get(group_name) or []
-    hostvars = inv["hostvars"].get(hosts[0], {}) if hosts else {}
+    hostvars = _first_hostvars(inv, group_name)
     value = hostvars[name] if name in hostvars else _role_default(role, name)
     if isinstance(value, str) and "{{" in value:
         raise ShardstackError(f"{name}={value!r} is a template; only plain values resolve outside a play",
@@ -135,24 +141,69 @@ def export_current(inventory: Path, checkpoint_dir: str, name: str) -> ClusterEx
     return ClusterExport(head, out, f"{models}/current", (res.stdout + res.stderr).strip())
 
 
+def _controller_path(inventory: Path, name: str, value: str) -> Path:
+    """A path on the controller as a play resolves it; here only `{{ inventory_dir }}` can be resolved."""
+    inventory = inventory.resolve()
+    value = value.replace("{{ inventory_dir }}", str(inventory if inventory.is_dir() else inventory.parent))
+    if "{{" in value:
+        raise ShardstackError(f"{name}={value!r}: only {{{{ inventory_dir }}}} is resolved outside a play; set a "
+                              "plain path")
+    return Path(value)
+
+
+def _token(inv: dict[str, Any], inventory: Path) -> str | None:
+    hostvars = _first_hostvars(inv, "inference_nodes")
+    if hostvars.get("inference_service_token"):
+        return str(hostvars["inference_service_token"])
+    name = "inference_service_token_store"
+    path = _controller_path(inventory, name, str(hostvars.get(name) or _role_default("inference_service", name)))
+    return path.read_text().strip() if path.is_file() else None
+
+
+def place_model(inventory: Path, local_dir: Path, *, become: bool = True) -> str:
+    """Copy a model directory of this machine (e.g. the cached pretrained model) to <shared>/pretrained/<its name>
+    through the first train node, where every node sees it; returns that path. Unchanged files are not copied again
+    (the copy module compares checksums)."""
+    inv = inventory_hosts(inventory)
+    head = group(inv, "train_nodes")[0]
+    dest = f"{shared_dir(inv)}/pretrained/{local_dir.name}"
+    args = (f"src={shlex.quote(str(local_dir) + '/')} dest={shlex.quote(dest + '/')} "
+            "mode=u=rwX,go=rX directory_mode=0755")
+    res = run_module("ansible.builtin.copy", args, inventory, head, become=become)
+    if head not in res or not res[head].success:
+        msg = res[head].message if head in res else "no result"
+        raise ShardstackError(f"copying {local_dir} to {head}:{dest} failed: {msg}",
+                              hint="is the shared storage mounted? shardstack validate")
+    return dest
+
+
 def load_token(inventory: Path) -> str | None:
     """The bearer token the inference nodes expect, found as the inference_service role finds it: the inventory's
     `inference_service_token`, else the file at `inference_service_token_store` (the inventory's value, else the
     role's default), where the role keeps the token it generated. None when there is none yet."""
-    inv = inventory_hosts(inventory)
-    nodes = inv["groups"].get("inference_nodes") or []
-    hostvars = inv["hostvars"].get(nodes[0], {}) if nodes else {}
-    if hostvars.get("inference_service_token"):
-        return str(hostvars["inference_service_token"])
-    store = str(hostvars.get("inference_service_token_store") or _role_default("inference_service",
-                                                                                "inference_service_token_store"))
-    inventory = inventory.resolve()
-    store = store.replace("{{ inventory_dir }}", str(inventory if inventory.is_dir() else inventory.parent))
-    if "{{" in store:
-        raise ShardstackError(f"inference_service_token_store={store!r}: only {{{{ inventory_dir }}}} is resolved "
-                              "outside a play; set a plain path")
-    path = Path(store)
-    return path.read_text().strip() if path.is_file() else None
+    return _token(inventory_hosts(inventory), inventory)
+
+
+# The cluster CA's certificate in loadbalancer_tls_store (the loadbalancer role's vars/main.yml names it too).
+CLUSTER_CA = "cluster-ca.crt.txt"
+
+
+def _ca(inv: dict[str, Any], inventory: Path) -> Path | None:
+    hostvars = _first_hostvars(inv, "loadbalancer")
+    if hostvars.get("loadbalancer_tls_ca"):
+        return _controller_path(inventory, "loadbalancer_tls_ca", str(hostvars["loadbalancer_tls_ca"]))
+    if hostvars.get("loadbalancer_tls_cert"):
+        return None  # the inventory's own certificate and no CA named for it: a publicly trusted one
+    name = "loadbalancer_tls_store"
+    store = _controller_path(inventory, name, str(hostvars.get(name) or _role_default("loadbalancer", name)))
+    return store / CLUSTER_CA
+
+
+def load_ca(inventory: Path) -> Path | None:
+    """The CA certificate clients verify the load balancer with, found as the loadbalancer role finds it: the
+    inventory's `loadbalancer_tls_ca`, else the cluster CA in `loadbalancer_tls_store` when the role issues the
+    certificate; None (the system's trust store) for a certificate of the inventory's own without a CA named."""
+    return _ca(inventory_hosts(inventory), inventory)
 
 
 def _role_default(role: str, name: str) -> Any:
@@ -161,10 +212,63 @@ def _role_default(role: str, name: str) -> Any:
     return yaml.safe_load((project_dir() / "roles" / role / "defaults" / "main.yml").read_text())[name]
 
 
-def lb_url(inventory: Path) -> str:
+@dataclass(frozen=True)
+class Endpoint:
+    """The inference API as clients reach it: through the load balancer, over HTTPS, with the bearer token."""
+
+    url: str
+    token: str | None
+    cafile: Path | None  # the CA to trust; None = the system's trust store
+
+    @functools.cached_property
+    def tls(self) -> ssl.SSLContext:
+        if self.cafile is not None and not self.cafile.is_file():
+            raise ShardstackError(f"no CA certificate at {self.cafile}",
+                                  hint="the loadbalancer role creates the cluster CA there: deploy it first")
+        return ssl.create_default_context(cafile=str(self.cafile) if self.cafile else None)
+
+    def call(self, method: str, path: str, payload: dict[str, Any] | None = None, *,
+             timeout: float = 30.0) -> tuple[int, bytes]:
+        """One request → (status, body); an HTTP error status is an answer too. A refused or broken connection
+        raises OSError; a certificate the client does not accept raises ShardstackError (one line and a hint)."""
+        headers = {"Content-Type": "application/json"} if payload is not None else {}
+        if self.token:
+            headers["Authorization"] = f"Bearer {self.token}"
+        data = json.dumps(payload).encode() if payload is not None else None
+        req = urllib.request.Request(f"{self.url}{path}", data=data, headers=headers, method=method)
+        try:
+            with urllib.request.urlopen(req, timeout=timeout, context=self.tls) as resp:
+                return resp.status, resp.read()
+        except urllib.error.HTTPError as exc:
+            return exc.code, exc.read()
+        except urllib.error.URLError as exc:
+            if isinstance(exc.reason, ssl.SSLError):
+                raise self._tls_error(exc.reason) from None
+            raise
+        except ssl.SSLError as exc:
+            raise self._tls_error(exc) from None
+
+    def _tls_error(self, err: ssl.SSLError) -> ShardstackError:
+        trust = f"the CA in {self.cafile}" if self.cafile else "the system's trust store"
+        if isinstance(err, ssl.SSLCertVerificationError):
+            why = err.verify_message or err.reason or str(err)
+            hint = ("add the name you connect to to loadbalancer_tls_names and deploy again" if "mismatch" in why
+                    else "set loadbalancer_tls_ca to the CA that signed the load balancer's certificate, or deploy "
+                         "again so the load balancer serves the cluster CA's")
+            return ShardstackError(f"TLS: {self.url} presented a certificate {trust} does not accept: {why}",
+                                   hint=hint)
+        return ShardstackError(f"TLS: handshake with {self.url} failed: {err.reason or err}")
+
+
+def endpoint(inventory: Path) -> Endpoint:
+    """The load balancer's https URL (its inventory address, which the issued certificate names), the token and the
+    CA certificate, from one read of the inventory."""
     inv = inventory_hosts(inventory)
-    port = setting(inv, "loadbalancer_port", "loadbalancer", "loadbalancer")
-    return f"http://{address(inv, group(inv, 'loadbalancer')[0])}:{port}"
+    port = int(setting(inv, "loadbalancer_tls_port", "loadbalancer", "loadbalancer"))
+    host = address(inv, group(inv, "loadbalancer")[0])
+    host = f"[{host}]" if ":" in host else host
+    url = f"https://{host}" if port == 443 else f"https://{host}:{port}"
+    return Endpoint(url, _token(inv, inventory), _ca(inv, inventory))
 
 
 @dataclass
@@ -175,21 +279,14 @@ class Completion:
     body: dict[str, Any]
 
 
-def complete(url: str, prompt: str, *, token: str | None, max_tokens: int = 32, temperature: float = 0.0,
+def complete(ep: Endpoint, prompt: str, *, max_tokens: int = 32, temperature: float = 0.0,
              timeout: float = 30.0) -> Completion:
-    """POST /v1/completions (non-streaming) and time it."""
-    payload = json.dumps({"prompt": prompt, "max_tokens": max_tokens, "temperature": temperature}).encode()
-    headers = {"Content-Type": "application/json"}
-    if token:
-        headers["Authorization"] = f"Bearer {token}"
-    req = urllib.request.Request(f"{url}/v1/completions", data=payload, headers=headers, method="POST")
+    """POST /v1/completions (non-streaming) and time it; status -1 when the connection failed."""
+    payload = {"prompt": prompt, "max_tokens": max_tokens, "temperature": temperature}
     t = time.monotonic()
     try:
-        with urllib.request.urlopen(req, timeout=timeout) as resp:
-            status, raw = resp.status, resp.read()
-    except urllib.error.HTTPError as exc:
-        status, raw = exc.code, exc.read()
-    except (urllib.error.URLError, OSError) as exc:
+        status, raw = ep.call("POST", "/v1/completions", payload, timeout=timeout)
+    except OSError as exc:
         return Completion(-1, time.monotonic() - t, "", {"error": str(exc)})
     seconds = time.monotonic() - t
     try:

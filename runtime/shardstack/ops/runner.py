@@ -22,17 +22,34 @@ from shardstack.errors import ShardstackError
 
 
 def project_dir() -> Path:
-    """The directory holding site.yml: $SHARDSTACK_HOME, the current directory or a parent, else the source tree."""
+    """The directory holding site.yml: $SHARDSTACK_HOME, the current directory or a parent, the source tree of an
+    editable install, else the copy a wheel carries (shardstack/_ansible, see setup.py)."""
     if env := os.environ.get("SHARDSTACK_HOME"):
         return Path(env).resolve()
     for d in (Path.cwd(), *Path.cwd().parents):
         if (d / "site.yml").is_file() and (d / "roles").is_dir():
             return d
-    src = Path(__file__).resolve().parents[3]
-    if (src / "site.yml").is_file():
-        return src
+    here = Path(__file__).resolve()
+    for d in (here.parents[3], here.parents[1] / "_ansible"):
+        if (d / "site.yml").is_file():
+            return d
     raise ShardstackError("cannot find the shardstack project (site.yml)",
                           hint="run from the project directory or set SHARDSTACK_HOME")
+
+
+def _is_checkout(root: Path) -> bool:
+    return (root / "pyproject.toml").is_file()
+
+
+def state_dir() -> Path:
+    """Where runs write (ansible-runner's artifacts, the fact cache): `artifacts/` of a checkout; for the copy a
+    wheel carries, which lives in site-packages, $SHARDSTACK_STATE_DIR or ~/.local/state/shardstack."""
+    root = project_dir()
+    if _is_checkout(root):
+        return root / "artifacts"
+    if env := os.environ.get("SHARDSTACK_STATE_DIR"):
+        return Path(env).resolve()
+    return Path(os.environ.get("XDG_STATE_HOME") or Path.home() / ".local" / "state") / "shardstack"
 
 
 @dataclass
@@ -126,6 +143,13 @@ def _tool_env() -> dict[str, str]:
     return {"PATH": os.pathsep.join([here, os.environ.get("PATH", os.defpath)])}
 
 
+def _ansible_env(root: Path) -> dict[str, str]:
+    env = {**_tool_env(), "ANSIBLE_CONFIG": str(root / "ansible.cfg"), "ANSIBLE_FORCE_COLOR": "0"}
+    if not _is_checkout(root):  # ansible.cfg's relative fact cache would land in site-packages, beside the copy
+        env["ANSIBLE_CACHE_PLUGIN_CONNECTION"] = str(state_dir() / "ansible-facts")
+    return env
+
+
 def run_playbook(
     playbook: str,
     inventory: Path,
@@ -145,7 +169,7 @@ def run_playbook(
     if not book.is_file():
         raise ShardstackError(f"no playbook {playbook!r} in {root}")
     inventory = existing_inventory(inventory)
-    artifacts = _private_dir(artifacts or root / "artifacts" / "runs")
+    artifacts = _private_dir(artifacts or state_dir() / "runs")
     cmdline = " ".join(x for x in ("--check --diff" if check else "", f"--skip-tags {skip_tags}" if skip_tags else "")
                        if x)
     hosts: dict[str, HostResult] = {}
@@ -176,8 +200,7 @@ def run_playbook(
         limit=limit,
         cmdline=cmdline or None,
         extravars=extravars or {},
-        envvars={**_tool_env(), "ANSIBLE_CONFIG": str(root / "ansible.cfg"),
-                 "ANSIBLE_ROLES_PATH": str(root / "roles"), "ANSIBLE_FORCE_COLOR": "0"},
+        envvars={**_ansible_env(root), "ANSIBLE_ROLES_PATH": str(root / "roles")},
         event_handler=handle,
         quiet=True,
     )
@@ -221,11 +244,26 @@ def run_command(
     """Run one command on every host matching `pattern` (ansible-runner's ad-hoc mode) → per-host results."""
     import shlex
 
+    return run_module("ansible.builtin.command", shlex.join(argv), inventory, pattern, become=become,
+                      artifacts=artifacts, timeout=timeout)
+
+
+def run_module(
+    module: str,
+    module_args: str,
+    inventory: Path,
+    pattern: str,
+    *,
+    become: bool = True,
+    artifacts: Path | None = None,
+    timeout: int | None = None,
+) -> dict[str, CommandResult]:
+    """Run one Ansible module (e.g. ansible.builtin.copy) on every host matching `pattern` → per-host results."""
     import ansible_runner
 
     root = project_dir()
     inventory = existing_inventory(inventory)
-    artifacts = _private_dir(artifacts or root / "artifacts" / "adhoc")
+    artifacts = _private_dir(artifacts or state_dir() / "adhoc")
     results: dict[str, CommandResult] = {}
 
     def handle(event: RunnerEvent) -> bool:
@@ -241,9 +279,9 @@ def run_command(
 
     ansible_runner.run(
         private_data_dir=str(artifacts), host_pattern=pattern, inventory=str(inventory),
-        module="ansible.builtin.command", module_args=shlex.join(argv),
+        module=module, module_args=module_args,
         cmdline="--become" if become else None, timeout=timeout,
-        envvars={**_tool_env(), "ANSIBLE_CONFIG": str(root / "ansible.cfg"), "ANSIBLE_FORCE_COLOR": "0"},
+        envvars=_ansible_env(root),
         event_handler=handle, quiet=True,
     )
     return dict(sorted(results.items()))

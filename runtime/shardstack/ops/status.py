@@ -1,13 +1,14 @@
 """One view of the cluster (`shardstack status`, docs/operations.md "Status"): nodes from the inventory with
 Prometheus' `up` and the cordon state, failed systemd units (node_exporter's systemd collector), the training job's
-metrics, the inference backends from HAProxy's stats CSV, and the alerts firing. A source that does not answer is
+metrics, the inference backends from HAProxy's Prometheus endpoint (its metrics listener, plain HTTP, which the
+firewall opens to the monitoring server and the admin networks; the stats page wants TLS and a password), and the
+alerts firing. A source that does not answer is
 named in `notes`; the rest is still shown."""
 
 from __future__ import annotations
 
-import csv
-import io
 import json
+import re
 import urllib.error
 import urllib.parse
 import urllib.request
@@ -37,15 +38,15 @@ class Status:
 
 
 def sources(inv: dict[str, Any]) -> tuple[str | None, str | None]:
-    """Prometheus on the first monitoring_server and HAProxy's stats on the first loadbalancer, as URLs."""
+    """Prometheus on the first monitoring_server and HAProxy's /metrics on the first loadbalancer, as URLs."""
     groups = inv["groups"]
     prometheus = haproxy = None
     if groups.get("monitoring_server"):
         port = cluster.setting(inv, "prometheus_port", "prometheus", "monitoring_server")
         prometheus = f"http://{cluster.address(inv, groups['monitoring_server'][0])}:{port}"
     if groups.get("loadbalancer"):
-        port = cluster.setting(inv, "loadbalancer_stats_port", "loadbalancer", "loadbalancer")
-        haproxy = f"http://{cluster.address(inv, groups['loadbalancer'][0])}:{port}"
+        port = cluster.setting(inv, "loadbalancer_metrics_port", "loadbalancer", "loadbalancer")
+        haproxy = f"http://{cluster.address(inv, groups['loadbalancer'][0])}:{port}/metrics"
     return prometheus, haproxy
 
 
@@ -65,13 +66,37 @@ def prom_query(base: str, promql: str, timeout: float = 5.0) -> list[dict[str, A
     return list(body["data"]["result"])
 
 
-def haproxy_servers(base: str, backend: str = "inference", timeout: float = 5.0) -> list[dict[str, Any]]:
-    """The backend's servers from HAProxy's stats CSV (`/stats;csv`): status, current sessions, requests/s."""
-    text = _get(f"{base}/stats;csv", timeout).decode()
-    rows = csv.DictReader(io.StringIO(text.lstrip("# ")))
-    return [{"server": r["svname"], "status": r["status"], "sessions": int(r["scur"] or 0),
-             "req_rate": int(r["rate"] or 0), "check": r.get("check_status", "")}
-            for r in rows if r["pxname"] == backend and r["svname"] not in ("FRONTEND", "BACKEND")]
+# One sample of HAProxy's Prometheus exporter: name{label="value",…} value
+_SAMPLE = re.compile(r'^(haproxy_server_[a-z_]+)\{([^}]*)\} (\S+)$')
+_LABEL = re.compile(r'(\w+)="((?:[^"\\]|\\.)*)"')
+
+
+def haproxy_servers(metrics_url: str, backend: str = "inference", timeout: float = 5.0) -> list[dict[str, Any]]:
+    """The backend's servers from HAProxy's Prometheus endpoint (`/metrics?scope=server`): state (UP, DOWN, DRAIN,
+    MAINT, NOLB: the `state` label whose haproxy_server_status is 1), current sessions, requests waiting in HAProxy's
+    queue for the server, sessions since HAProxy started, and the last health check's result."""
+    text = _get(f"{metrics_url}?scope=server", timeout).decode()
+    servers: dict[str, dict[str, Any]] = {}
+    for line in text.splitlines():
+        m = _SAMPLE.match(line)
+        if not m:
+            continue
+        name, labels, value = m[1], dict(_LABEL.findall(m[2])), m[3]
+        if labels.get("proxy") != backend or "server" not in labels:
+            continue
+        entry = servers.setdefault(labels["server"], {"server": labels["server"], "status": "", "sessions": 0,
+                                                      "queued": 0, "sessions_total": 0, "check": ""})
+        if name == "haproxy_server_status" and float(value) == 1:
+            entry["status"] = labels.get("state", "")
+        elif name == "haproxy_server_check_status" and float(value) == 1:
+            entry["check"] = labels.get("state", "")
+        elif name == "haproxy_server_current_sessions":
+            entry["sessions"] = int(float(value))
+        elif name == "haproxy_server_current_queue":
+            entry["queued"] = int(float(value))
+        elif name == "haproxy_server_sessions_total":
+            entry["sessions_total"] = int(float(value))
+    return [servers[k] for k in sorted(servers)]
 
 
 def collect(groups: dict[str, list[str]], cordoned: dict[str, dict[str, Any]], prometheus: str | None,

@@ -57,7 +57,9 @@ def validate_findings(data: dict[str, Any]) -> list[str]:
     if not inf:
         bad.append("inference: no result")
     elif int(inf.get("status", -1)) != 200:
-        bad.append(f"inference: load balancer answered {inf.get('status')}")
+        # -1: no HTTP answer at all; the reason (refused, a certificate not trusted …) is the probe's message.
+        why = f": {str(inf['text'])[:300]}" if inf.get("text") else ""
+        bad.append(f"inference: load balancer answered {inf.get('status')}{why}")
     return bad
 
 

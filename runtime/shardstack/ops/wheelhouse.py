@@ -65,7 +65,15 @@ def _digest(paths: list[Path], root: Path, extra: str = "") -> str:
     return h.hexdigest()[:16]
 
 
+def _require_checkout(project: Path) -> None:
+    if not (project / "pyproject.toml").is_file():
+        raise ShardstackError(
+            f"{project} holds the playbooks only (a wheel's copy): the runtime's wheelhouse is built from a checkout",
+            hint="run `shardstack wheelhouse` in a checkout and deploy with -e training_runtime_wheelhouse_src=DIR")
+
+
 def source_files(project: Path) -> list[Path]:
+    _require_checkout(project)
     files = [project / "pyproject.toml", project / "README.md"]
     for dirpath, dirnames, filenames in os.walk(project / "runtime"):
         dirnames[:] = [d for d in dirnames if d not in _SKIP_DIRS and not d.endswith(".egg-info")]
@@ -104,6 +112,7 @@ def requirements(project: Path, accel: AcceleratorClass) -> list[str]:
     `===` (PEP 440 arbitrary equality) because `torch==2.13.0` also matches 2.13.0+cpu, which a find-links
     directory or a mixed index would then win with (a local label sorts higher).
     """
+    _require_checkout(project)
     meta = tomllib.loads((project / "pyproject.toml").read_text())["project"]
     reqs = list(meta.get("dependencies", []))
     for extra in EXTRAS:

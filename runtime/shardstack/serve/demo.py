@@ -1,5 +1,5 @@
-"""A model directory in the export format with seeded random weights: for tests and the benchmark, and to
-try the service before a training run has produced a real export."""
+"""A model directory with seeded random weights, in either export format: for tests and benchmarks, and to try the
+service before a training run has produced a real export. (`shardstack/pretrained/stdlib-llama` is a trained one.)"""
 
 from __future__ import annotations
 
@@ -8,11 +8,19 @@ from pathlib import Path
 import torch
 
 from shardstack.model.artifact import save_model
-from shardstack.model.gpt import GPT, PRESETS, GPTConfig
+from shardstack.model.factory import ARCHS
+from shardstack.model.tokenizer import HFTokenizer
 
 
-def write_random_model(out: str | Path, preset: str = "small", *, seed: int = 0, **overrides: int) -> Path:
-    """Write the artifact (model.safetensors + config.json) exactly as `shardstack export` lays it out."""
+def write_random_model(out: str | Path, preset: str = "small", *, seed: int = 0, arch: str = "gpt",
+                       tokenizer: str | Path | None = None, fmt: str = "shardstack", **overrides: int) -> Path:
+    """Write a random `arch` model of `preset` (with `overrides`) exactly as `shardstack export --format fmt` lays it
+    out. With `tokenizer` (a directory holding tokenizer.json) its files are included and the vocabulary is its
+    size; without, the model is byte-level."""
+    tok = HFTokenizer(tokenizer) if tokenizer is not None else None
+    if tok is not None:
+        overrides.setdefault("vocab_size", tok.vocab_size)
+    model_cls, config_cls, presets = ARCHS[arch]
     torch.manual_seed(seed)
-    model = GPT(GPTConfig(**{**PRESETS[preset], **overrides}))
-    return save_model(model, out, step=0, source=f"random:{preset}:seed={seed}")
+    model = model_cls(config_cls(**{**presets[preset], **overrides}))
+    return save_model(model, out, step=0, source=f"random:{arch}:{preset}:seed={seed}", fmt=fmt, tokenizer=tok)

@@ -18,12 +18,14 @@ from typing import Any
 import torch
 from starlette.requests import Request
 
+from shardstack.model.tokenizer import Tokenizer
 from shardstack.serve.metrics import ServeMetrics
 from shardstack.serve.notify import Notifier
-from shardstack.serve.protocol import ApiError, Limits
+from shardstack.serve.protocol import ApiError, Limits, PromptContext
 from shardstack.serve.sampling import SamplingParams
 from shardstack.serve.scheduler import Output, Scheduler
 from shardstack.serve.settings import ServeSettings, resolve_device, resolve_dtype
+from shardstack.serve.text import eos_ids, model_tokenizer
 
 log = logging.getLogger(__name__)
 
@@ -73,6 +75,8 @@ class Service:
         self.engine: Scheduler | None = None
         self.meta: dict[str, Any] = {}
         self.limits: Limits | None = None
+        self.tokenizer: Tokenizer | None = None
+        self.prompt: PromptContext | None = None  # what request validation needs of the model
         self.device: torch.device | None = None
         self.dtype: torch.dtype | None = None
         self.on_failure: Callable[[], None] = lambda: None  # the server sets this to stop itself
@@ -97,16 +101,20 @@ class Service:
             self.dtype = resolve_dtype(s.dtype, self.device)
             model, meta = load_model(s.model_dir, self.device, self.dtype)
             model.eval()
-            context = model.config.seq_len
+            vocab = model.config.vocab_size
+            tokenizer = model_tokenizer(s.model_dir, meta, vocab)
+            engine = Scheduler(model, tokenizer=tokenizer, eos_ids=eos_ids(s.model_dir, tokenizer),
+                               context=s.context, max_batch=s.max_concurrency, max_queue=s.max_queue,
+                               device=self.device, dtype=self.dtype, max_prefill_tokens=s.max_prefill_tokens,
+                               metrics=self.metrics, failpoint=s.failpoint)
+            context = engine.context
             self.limits = Limits(context=context, max_tokens=min(s.max_tokens or context, context - 1))
-            engine = Scheduler(model, max_batch=s.max_concurrency, max_queue=s.max_queue, device=self.device,
-                            dtype=self.dtype, max_prefill_tokens=s.max_prefill_tokens, metrics=self.metrics,
-                            failpoint=s.failpoint)
+            self.tokenizer, self.prompt = tokenizer, PromptContext(tokenizer, vocab)
             self.metrics.bind_heartbeat(lambda: engine.heartbeat_wall)
             engine.start()
             self.engine, self.meta = engine, meta
             # Warm-up: prefill and decode once so the first client does not pay for allocator and kernel setup.
-            prompt = list(b"warm up")[: max(1, context // 2)]
+            prompt = tokenizer.encode_prompt("warm up")[: max(1, context // 2)]
             engine.generate(prompt, max(1, min(4, context - len(prompt))), SamplingParams(seed=0), internal=True)
         except Exception as exc:
             log.exception("loading the model from %s failed", s.model_dir)
@@ -115,9 +123,10 @@ class Service:
             self.notifier.status(f"failed: {self.failure}")
             self.on_failure()
             return
-        log.info("model %s loaded and warmed up in %.1fs on %s (%s): %d params, context %d, %d slots",
-                 self.name, time.monotonic() - started, self.device, str(self.dtype).removeprefix("torch."),
-                 model.num_params(), context, s.max_concurrency)
+        log.info("model %s (%s) loaded and warmed up in %.1fs on %s (%s): %d params, tokenizer %s (%d tokens), "
+                 "context %d, %d slots", self.name, meta.get("arch", "gpt"), time.monotonic() - started, self.device,
+                 str(self.dtype).removeprefix("torch."), model.num_params(), tokenizer.name, tokenizer.vocab_size,
+                 context, s.max_concurrency)
         with self._lock:
             if self.phase == "loading":
                 self.phase = "ready"

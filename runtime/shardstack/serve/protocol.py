@@ -17,9 +17,10 @@ import json
 from dataclasses import dataclass
 from typing import Annotated, Any
 
-from pydantic import AfterValidator, BaseModel, BeforeValidator, ConfigDict, Field, ValidationError
+from pydantic import AfterValidator, BaseModel, BeforeValidator, ConfigDict, Field, ValidationError, ValidationInfo
 from pydantic_core import PydanticCustomError
 
+from shardstack.model.tokenizer import Tokenizer
 from shardstack.serve.sampling import FLOAT32_TINY, SamplingParams
 
 MAX_STOP_SEQUENCES = 4
@@ -102,15 +103,18 @@ def _float32(value: float) -> float:
     return value
 
 
-def _prompt(v: Any) -> list[int]:
-    """A string, a one-element list of strings (OpenAI's batch form) or token ids, as byte-level token ids."""
+def _prompt(v: Any, info: ValidationInfo) -> list[int]:
+    """A string or a one-element list of strings (OpenAI's batch form), encoded with the served model's tokenizer, or
+    token ids, which must be in its vocabulary (`PromptContext`, given at validation)."""
+    ctx: PromptContext = info.context["prompt"]
     if isinstance(v, list) and len(v) == 1 and isinstance(v[0], str):
         v = v[0]
     if isinstance(v, str):
-        tokens = list(_unicode(v).encode("utf-8"))
+        tokens = ctx.tokenizer.encode_prompt(_unicode(v)) if v else []
     elif isinstance(v, list) and v and all(isinstance(t, int) and not isinstance(t, bool) for t in v):
-        if not all(0 <= t < 256 for t in v):
-            raise PydanticCustomError("token_id", "token ids must be in [0, 255] (byte-level tokenizer)")
+        if not all(0 <= t < ctx.vocab_size for t in v):
+            raise PydanticCustomError("token_id", "token ids must be in [0, {last}] (the model's vocabulary)",
+                                      {"last": ctx.vocab_size - 1})
         tokens = v
     elif isinstance(v, list) and len(v) > 1 and all(isinstance(t, str) for t in v):
         raise PydanticCustomError("one_prompt", "only one prompt per request is supported")
@@ -184,6 +188,14 @@ class CompletionBody(BaseModel):
 
 
 @dataclass(frozen=True)
+class PromptContext:
+    """What validating a prompt needs of the served model."""
+
+    tokenizer: Tokenizer
+    vocab_size: int  # the model's embedding rows: token ids must be below it
+
+
+@dataclass(frozen=True)
 class Limits:
     context: int  # model context in tokens: prompt + generated must fit
     max_tokens: int  # per-request ceiling for max_tokens
@@ -195,7 +207,7 @@ class CompletionRequest:
     prompt: list[int]
     max_tokens: int
     sampling: SamplingParams
-    stop: list[bytes]
+    stop: list[str]
     stream: bool
     include_usage: bool
     model: str | None
@@ -217,8 +229,9 @@ def _rejection(exc: ValidationError) -> ApiError:
     return invalid(param, err["msg"])
 
 
-def parse_completion(raw: bytes, limits: Limits, served_model: str) -> CompletionRequest:
-    """Validate a raw request body; raises ApiError (400, or 404 for a model not served here)."""
+def parse_completion(raw: bytes, limits: Limits, served_model: str, prompt: PromptContext) -> CompletionRequest:
+    """Validate a raw request body and encode its prompt; raises ApiError (400, or 404 for a model not served
+    here)."""
     if not raw.strip():
         raise invalid(None, "the request body is empty; expected a JSON object", code="invalid_json")
     try:
@@ -229,7 +242,7 @@ def parse_completion(raw: bytes, limits: Limits, served_model: str) -> Completio
     if not isinstance(data, dict):
         raise invalid(None, "the request body must be a JSON object", code="invalid_json")
     try:
-        body = CompletionBody.model_validate(data)
+        body = CompletionBody.model_validate(data, context={"prompt": prompt})
     except ValidationError as exc:
         raise _rejection(exc) from None
 
@@ -259,7 +272,7 @@ def parse_completion(raw: bytes, limits: Limits, served_model: str) -> Completio
             top_p=1.0 if body.top_p is None else body.top_p,
             seed=body.seed,
         ),
-        stop=[s.encode("utf-8") for s in body.stop or []],
+        stop=list(body.stop or []),
         stream=stream,
         include_usage=body.stream_options is not None and body.stream_options.include_usage,
         model=body.model,

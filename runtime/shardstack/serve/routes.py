@@ -19,7 +19,6 @@ from shardstack import __version__
 from shardstack.serve.lifecycle import Service
 from shardstack.serve.protocol import ApiError, CompletionRequest, parse_completion
 from shardstack.serve.scheduler import Output, QueueFull, Scheduler, Sequence
-from shardstack.serve.text import decode, utf8_stream_decoder
 
 COMPLETIONS_PATH = "/v1/completions"
 
@@ -53,7 +52,9 @@ async def info(request: Request) -> JSONResponse:
         "model_dir": str(s.model_dir),
         "phase": svc.phase,
         "version": __version__,
-        "tokenizer": "bytes",
+        "arch": svc.meta.get("arch", "gpt") if svc.meta else None,
+        "format": svc.meta.get("format", "shardstack") if svc.meta else None,
+        "tokenizer": None,
         "checkpoint": svc.meta.get("source_checkpoint"),
         "step": svc.meta.get("step"),
         "dtype": str(svc.dtype).removeprefix("torch.") if svc.dtype else None,
@@ -69,6 +70,9 @@ async def info(request: Request) -> JSONResponse:
     }
     if svc.engine is not None:
         body["model_config"] = svc.engine.config.to_dict()
+        tok = svc.engine.tokenizer
+        body["tokenizer"] = {"name": tok.name, "vocab_size": tok.vocab_size, "bos_token_id": tok.bos_id,
+                             "eos_token_ids": sorted(svc.engine.eos_ids)}
     return JSONResponse(body)
 
 
@@ -102,8 +106,8 @@ async def completions(request: Request) -> Response:
     if media != "application/json":
         raise ApiError(415, "Content-Type must be application/json", code="unsupported_media_type")
     raw = await _read_body(request, svc.settings.max_body_bytes)
-    assert svc.limits is not None
-    req = parse_completion(raw, svc.limits, svc.name)
+    assert svc.limits is not None and svc.prompt is not None
+    req = parse_completion(raw, svc.limits, svc.name, svc.prompt)
 
     events: asyncio.Queue[Output] = asyncio.Queue()
     seq = Sequence(req.prompt, req.max_tokens, req.sampling, req.stop, emit=svc.handoff.to(events),
@@ -153,7 +157,7 @@ async def _complete(request: Request, engine: Scheduler, seq: Sequence, events: 
     ev = result.result()
     if ev.error:
         raise _engine_failure(ev)
-    choice = {"text": decode(ev.data), "index": 0, "logprobs": None, "finish_reason": ev.finish_reason}
+    choice = {"text": ev.data, "index": 0, "logprobs": None, "finish_reason": ev.finish_reason}
     return JSONResponse({**meta, "choices": [choice], "usage": _usage(req, ev.completion_tokens)})
 
 
@@ -163,7 +167,6 @@ def _sse_line(obj: Any) -> str:
 
 async def _sse(engine: Scheduler, seq: Sequence, events: asyncio.Queue[Output], req: CompletionRequest,
                meta: dict[str, Any]) -> AsyncIterator[str]:
-    decoder = utf8_stream_decoder()
     finished = False
     try:
         while not finished:
@@ -172,9 +175,8 @@ async def _sse(engine: Scheduler, seq: Sequence, events: asyncio.Queue[Output], 
                 yield _sse_line(_engine_failure(ev).body())
                 break
             finished = ev.finish_reason is not None
-            text = decoder.decode(ev.data, final=finished)
-            if text or finished:
-                choice = {"text": text, "index": 0, "logprobs": None, "finish_reason": ev.finish_reason}
+            if ev.data or finished:
+                choice = {"text": ev.data, "index": 0, "logprobs": None, "finish_reason": ev.finish_reason}
                 yield _sse_line({**meta, "choices": [choice]})
         if finished and req.include_usage:
             yield _sse_line({**meta, "choices": [], "usage": _usage(req, ev.completion_tokens)})

@@ -12,13 +12,18 @@ import torch
 
 from shardstack.model.gpt import GPT
 from shardstack.model.kvcache import KVCache
+from shardstack.model.llama import Llama
+
+Model = GPT | Llama  # what exports hold; both decode each row in its own KV-cache slot
 
 
 class ModelRunner:
-    def __init__(self, model: GPT, *, slots: int, device: torch.device | str, dtype: torch.dtype) -> None:
+    def __init__(self, model: Model, *, slots: int, context: int, device: torch.device | str,
+                 dtype: torch.dtype) -> None:
         self.model = model
         self.device = torch.device(device)
-        self.cache = KVCache(model.config, slots, model.config.seq_len, dtype=dtype, device=self.device)
+        # Sized by the model's config: n_kv_head key/value heads per layer (fewer than n_head under GQA).
+        self.cache = KVCache(model.config, slots, context, dtype=dtype, device=self.device)
 
     def kv_cache_bytes(self) -> int:
         return 2 * self.cache.k.numel() * self.cache.k.element_size()

@@ -29,10 +29,10 @@ from dataclasses import dataclass, field
 
 import torch
 
-from shardstack.model.gpt import GPT
-from shardstack.serve.runner import ModelRunner
+from shardstack.model.tokenizer import Tokenizer
+from shardstack.serve.runner import Model, ModelRunner
 from shardstack.serve.sampling import SamplingParams, make_generator, sample
-from shardstack.serve.text import StopBuffer
+from shardstack.serve.text import TextStream
 
 log = logging.getLogger(__name__)
 
@@ -45,9 +45,9 @@ class QueueFull(Exception):
 
 @dataclass
 class Output:
-    """What the engine reports for a request: released output bytes, and finally a finish reason or error."""
+    """What the engine reports for a request: released text, and finally a finish reason or error."""
 
-    data: bytes = b""
+    data: str = ""
     finish_reason: str | None = None  # "stop" | "length" | "abort" once finished
     error: str | None = None
     completion_tokens: int = 0
@@ -58,7 +58,7 @@ class Sequence:
     prompt: list[int]
     max_tokens: int
     params: SamplingParams
-    stop: list[bytes]
+    stop: list[str]
     emit: Callable[[Output], None]
     internal: bool = False  # warm-up traffic: not counted in metrics, not subject to failpoints
     stream: bool = True  # False: one Output at the end instead of one per released chunk
@@ -74,8 +74,8 @@ class Sequence:
 
     def __post_init__(self) -> None:
         self.generator = make_generator(self.params.seed)
-        self.out = StopBuffer(self.stop)
-        self.held = bytearray()  # released output of a non-streamed request
+        self.text: TextStream | None = None  # the scheduler's tokenizer and this request's stops, set on submit
+        self.held: list[str] = []  # released text of a non-streamed request
 
 
 class SchedulerMetrics:
@@ -90,8 +90,11 @@ class SchedulerMetrics:
 class Scheduler:
     def __init__(
         self,
-        model: GPT,
+        model: Model,
         *,
+        tokenizer: Tokenizer,
+        eos_ids: frozenset[int] = frozenset(),
+        context: int | None = None,
         max_batch: int,
         max_queue: int,
         device: torch.device | str,
@@ -100,9 +103,12 @@ class Scheduler:
         metrics: SchedulerMetrics | None = None,
         failpoint: str | None = None,
     ) -> None:
-        self.runner = ModelRunner(model, slots=max_batch, device=device, dtype=dtype)
+        # The KV cache holds `context` tokens per slot: the model's, or less (a Hugging Face Llama 3 says 128k).
+        self.context = min(model.config.seq_len, context or model.config.seq_len)
+        self.runner = ModelRunner(model, slots=max_batch, context=self.context, device=device, dtype=dtype)
         self.config = model.config
-        self.context = model.config.seq_len
+        self.tokenizer = tokenizer
+        self.eos_ids = eos_ids  # sampling one ends the request with finish_reason "stop" (its text is not sent)
         self.max_batch = max_batch
         self.max_queue = max_queue
         self.max_prefill_tokens = max_prefill_tokens
@@ -139,6 +145,7 @@ class Scheduler:
         """Queue a request, or raise QueueFull when running + waiting has reached capacity."""
         if len(seq.prompt) + seq.max_tokens > self.context:
             raise ValueError("prompt + max_tokens exceeds the model context")
+        seq.text = TextStream(self.tokenizer, seq.stop)
         with self._cond:
             if len(self._running) + len(self._waiting) >= self.max_batch + self.max_queue:
                 raise QueueFull
@@ -181,11 +188,11 @@ class Scheduler:
         est = self._avg_seconds * (1 + waiting / max(1, self.max_batch))
         return max(1, min(60, round(est)))
 
-    def generate(self, prompt: list[int], max_tokens: int, params: SamplingParams, stop: list[bytes] | None = None,
-                 *, internal: bool = False, timeout: float = 600.0) -> tuple[bytes, str]:
-        """Blocking helper (warm-up, tests): run one request through the loop and return (bytes, finish)."""
+    def generate(self, prompt: list[int], max_tokens: int, params: SamplingParams, stop: list[str] | None = None,
+                 *, internal: bool = False, timeout: float = 600.0) -> tuple[str, str]:
+        """Blocking helper (warm-up, tests): run one request through the loop and return (text, finish)."""
         done = threading.Event()
-        parts: list[bytes] = []
+        parts: list[str] = []
         result: list[Output] = []
 
         def emit(ev: Output) -> None:
@@ -199,7 +206,7 @@ class Scheduler:
             raise TimeoutError("engine did not finish the request in time")
         if result[0].error:
             raise RuntimeError(result[0].error)
-        return b"".join(parts), str(result[0].finish_reason)
+        return "".join(parts), str(result[0].finish_reason)
 
     # ---- engine thread -----------------------------------------------------------------------------------
     def _beat(self) -> None:
@@ -323,16 +330,25 @@ class Scheduler:
                 self.metrics.first_token(now - seq.arrived)
         if not seq.internal:
             self.metrics.tokens(0, 1)
-        data, stopped = seq.out.push(token)
-        finish = "stop" if stopped else "length" if seq.generated >= seq.max_tokens else None
-        if finish == "length":
-            data += seq.out.flush()
+        assert seq.text is not None
+        finish = None
+        if token in self.eos_ids:  # the model ended the text: release what is held, not the EOS token's own text
+            data, _ = seq.text.finish()
+            finish = "stop"
+        else:
+            data, stopped = seq.text.push(token)
+            if stopped:
+                finish = "stop"
+            elif seq.generated >= seq.max_tokens:
+                more, stopped = seq.text.finish()
+                data += more
+                finish = "stop" if stopped else "length"
         if finish:
             seq.finished = True
         if not seq.stream:
-            seq.held += data
+            seq.held.append(data)
             if finish:
-                seq.emit(Output(data=bytes(seq.held), finish_reason=finish, completion_tokens=seq.generated))
+                seq.emit(Output(data="".join(seq.held), finish_reason=finish, completion_tokens=seq.generated))
         elif data or finish:
             seq.emit(Output(data=data, finish_reason=finish, completion_tokens=seq.generated))
 

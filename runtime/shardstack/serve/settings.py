@@ -21,6 +21,7 @@ class ServeSettings:
     max_concurrency: int = 16  # requests decoded together = KV-cache slots; 1 turns batching off
     max_queue: int = 64  # admitted requests waiting for a slot; beyond that: 429
     max_tokens: int | None = None  # per-request ceiling; default: the model context
+    context: int | None = None  # tokens per KV-cache slot, at most the model's (default: the model's)
     max_body_bytes: int = 1 << 20
     max_prefill_tokens: int = 4096  # padded tokens per prefill batch; bounds the stall it causes to decoding
     token: str | None = None  # bearer token for /v1/* and /info; None = open

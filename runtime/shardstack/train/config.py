@@ -28,6 +28,9 @@ from shardstack.train.checkpoint.signing import DEFAULT_KEY_FILE
 class DataConfig:
     path: str | None = None  # a directory written by `shardstack data prepare`
     shuffle: bool = True  # a seeded permutation per epoch; False reads windows in order
+    # The tokenizer path is prepared with: bytes, or a directory with tokenizer.json (e.g. init_from's). The cluster's
+    # job task prepares path with it (null: bytes); the trainer refuses data prepared with another one.
+    tokenizer: str | None = None
 
 
 @dataclass
@@ -40,6 +43,10 @@ class EngineConfig:
     bucket_mb: float = 25.0  # DDP gradient bucket size (stages 0 and 1)
     accumulation_sync: Literal["last", "every"] = "last"  # reduce gradients on the last micro-batch or every one
     device: Literal["auto", "cpu", "cuda"] = "auto"
+    # Recompute block activations in backward instead of keeping them: every block, or blocks 0, N, 2N, …
+    activation_checkpointing: Literal["none", "full", "every_n"] = "none"
+    activation_checkpointing_every: int | None = None  # N for every_n (required there, ≥ 2: every 1 block is full)
+    compile: bool = False  # torch.compile (inductor) each block before it is wrapped
 
 
 @dataclass
@@ -50,6 +57,7 @@ class OptimizerConfig:
     eps: float = 1e-8
     weight_decay: float = 0.1
     grad_clip: float | None = 1.0  # global L2 norm across all shards; null or 0 = off
+    impl: Literal["auto", "fused", "foreach", "for_loop"] = "auto"  # AdamW kernels; auto: fused on CUDA, else foreach
 
 
 @dataclass
@@ -106,10 +114,12 @@ class JobConfig:
         """Hash of what defines the run's math (model, data, optimizer, schedule, global batch, seed).
 
         Engine layout, micro-batch, checkpoint and metrics settings are left out on purpose: a checkpoint may be
-        resumed with another stage, world size or micro-batch and continue the same run.
+        resumed with another stage, world size or micro-batch and continue the same run. So is optimizer.impl,
+        which picks the kernels of the same update.
         """
         d = self.to_dict()
         key = {k: d[k] for k in ("model", "data", "optimizer", "schedule", "seed")}
+        del key["optimizer"]["impl"]
         key["global_batch"] = d["batch"]["global_batch"]
         return hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:16]
 
@@ -129,6 +139,7 @@ _CHECKS: dict[str, tuple[typing.Callable[[Any], bool], str]] = {
     "engine.prefetch": (lambda v: v >= 1, "an integer ≥ 1"),
     "engine.reshard_group": (lambda v: v is None or v >= 1, "an integer ≥ 1 or null"),
     "engine.bucket_mb": (lambda v: v > 0, "a number > 0"),
+    "engine.activation_checkpointing_every": (lambda v: v is None or v >= 2, "an integer ≥ 2 or null"),
     "optimizer.lr": (lambda v: v > 0, "a number > 0"),
     "optimizer.betas": (lambda v: len(v) == 2 and all(0 <= b < 1 for b in v), "two numbers in [0, 1)"),
     "optimizer.eps": (lambda v: v > 0, "a number > 0"),
@@ -242,6 +253,16 @@ def _cross_checks(cfg: JobConfig) -> None:
         )
     if cfg.engine.reshard_group is not None and cfg.engine.stage != 3:
         raise ShardstackError("config key 'engine.reshard_group' applies to engine.stage 3 only")
+    every = cfg.engine.activation_checkpointing_every
+    if cfg.engine.activation_checkpointing == "every_n" and every is None:
+        raise ShardstackError(
+            "config key 'engine.activation_checkpointing' is 'every_n' but engine.activation_checkpointing_every "
+            "is not set", hint="set engine.activation_checkpointing_every: N (≥ 2) to recompute every N-th block")
+    if every is not None and cfg.engine.activation_checkpointing != "every_n":
+        raise ShardstackError(
+            f"config key 'engine.activation_checkpointing_every' applies to activation_checkpointing 'every_n', "
+            f"not {cfg.engine.activation_checkpointing!r}",
+            hint="set engine.activation_checkpointing: every_n, or remove activation_checkpointing_every")
     if cfg.schedule.warmup_steps > cfg.schedule.total_steps:
         raise ShardstackError(
             f"config key 'schedule.warmup_steps' ({cfg.schedule.warmup_steps}) exceeds schedule.total_steps "

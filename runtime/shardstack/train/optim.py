@@ -1,5 +1,11 @@
 """The optimizer and its learning-rate schedule: AdamW (plain, or partitioned by ZeroRedundancyOptimizer at
-stage 1) with decay on matrices only, and linear warm-up into a cosine decay."""
+stage 1) with decay on matrices only, and linear warm-up into a cosine decay.
+
+`optimizer.impl` picks AdamW's kernels: `fused` (one kernel per tensor list, no temporaries), `foreach` (a handful
+of multi-tensor ops; one temporary the size of a param group's parameters), `for_loop` (per tensor). The update is
+the same up to rounding. `auto` takes fused where every parameter is on CUDA (torch itself defaults to foreach),
+foreach elsewhere.
+"""
 
 from __future__ import annotations
 
@@ -10,7 +16,10 @@ import torch
 from torch import nn
 from torch.distributed.optim import ZeroRedundancyOptimizer
 
+from shardstack.errors import ShardstackError
 from shardstack.train.config import OptimizerConfig, ScheduleConfig
+
+FUSED_DEVICES = ("cpu", "cuda")  # the device types this runtime trains on; torch has fused AdamW for both
 
 
 def optimizer_param_groups(model: nn.Module, weight_decay: float) -> list[dict[str, Any]]:
@@ -26,8 +35,29 @@ def optimizer_param_groups(model: nn.Module, weight_decay: float) -> list[dict[s
     return groups
 
 
+def auto_impl(device_type: str) -> str:
+    return "fused" if device_type == "cuda" else "foreach"
+
+
+def resolve_impl(impl: str, params: list[torch.Tensor]) -> str:
+    """`auto` made concrete for these parameters; `fused` checked up front, not at the first step."""
+    if impl == "auto":
+        return auto_impl("cuda" if params and all(p.device.type == "cuda" for p in params) else "cpu")
+    if impl == "fused":
+        bad = next((p for p in params if p.device.type not in FUSED_DEVICES or not torch.is_floating_point(p)),
+                   None)
+        if bad is not None:
+            raise ShardstackError(
+                f"config key 'optimizer.impl' is 'fused', but a parameter is {bad.dtype} on {bad.device.type}; fused "
+                f"AdamW needs real floating-point parameters on {' or '.join(FUSED_DEVICES)}",
+                hint="use optimizer.impl: foreach (or auto)")
+    return impl
+
+
 def make_optimizer(params: list[dict[str, Any]], cfg: OptimizerConfig, stage: int) -> torch.optim.Optimizer:
-    kwargs = {"lr": cfg.lr, "betas": tuple(cfg.betas), "eps": cfg.eps, "weight_decay": cfg.weight_decay}
+    impl = resolve_impl(cfg.impl, [p for g in params for p in g["params"]])
+    kwargs = {"lr": cfg.lr, "betas": tuple(cfg.betas), "eps": cfg.eps, "weight_decay": cfg.weight_decay,
+              "fused": impl == "fused", "foreach": impl == "foreach"}
     if stage == 1:
         return ZeroRedundancyOptimizer(params, optimizer_class=torch.optim.AdamW, **kwargs)
     return torch.optim.AdamW(params, **kwargs)

@@ -1,16 +1,20 @@
 """Wrap a model for one ZeRO stage with torch's own parallel wrappers (the stage map is in train/engine.py).
 
-One transformer block is one FSDP unit; the root unit holds embeddings, final norm and the (tied) head.
+One transformer block is one FSDP unit; the root unit holds embeddings, final norm and the (tied) head. Activation
+checkpointing and torch.compile apply per block, before any wrapping (as torchtitan orders them), so FSDP2's and
+DDP's hooks stay outside the checkpointed and compiled region.
 """
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Sequence
 
 import torch
 from torch import nn
 from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy, fully_shard
 from torch.nn.parallel import DistributedDataParallel as DDP
+from torch.utils.checkpoint import checkpoint
 
 from shardstack.errors import ShardstackError
 from shardstack.model.dtypes import to_dtype
@@ -28,12 +32,69 @@ def shard_units(model: nn.Module) -> Sequence[nn.Module]:
     return blocks
 
 
+def checkpointed_blocks(n_blocks: int, mode: str, every: int | None) -> list[int]:
+    """Indices of the blocks whose activations are recomputed in backward: all (full), 0, N, 2N, … (every_n)."""
+    if mode == "full":
+        return list(range(n_blocks))
+    if mode == "every_n":
+        assert every is not None  # the config requires it
+        return list(range(0, n_blocks, every))
+    return []
+
+
+@functools.cache
+def inductor_problem(device_type: str) -> str | None:
+    """Why torch.compile's default backend (inductor) cannot build kernels for `device_type` here, or None.
+
+    torch.compile is lazy: without this probe a missing C++ compiler (CPU) or Triton (CUDA) would surface as a
+    backend traceback at the first forward. Inductor's on-disk cache stays on: a cold probe builds a kernel (about a
+    minute on 2 busy cores), a warm one costs nothing — and a cache warmed by a toolchain removed since would pass
+    here and fail at the first step, the one case it does not catch.
+    """
+    try:
+        torch.compile(lambda x: x * 2 + 1, fullgraph=True)(torch.ones(8, device=device_type))
+    except Exception as exc:  # the backend raises whatever its toolchain raised
+        lines = str(exc).strip().splitlines()
+        return f"{type(exc).__name__}: {lines[0] if lines else ''}"
+    return None
+
+
+def prepare_blocks(blocks: Sequence[nn.Module], engine_cfg: EngineConfig, device: torch.device) -> None:
+    """Activation checkpointing and torch.compile, per block, by replacing the block's `forward` on the instance.
+
+    The blocks stay the same modules (no wrapper module), so parameter names, state_dict keys and checkpoints are
+    identical with either option on or off. The hooks of `Module.__call__` (FSDP2's all-gather and reshard, DDP's)
+    run around the new forward: FSDP2 gathers a checkpointed block before its forward and, in backward, before the
+    recompute, which calls the original forward directly. Compile traces through the checkpoint (as a higher-order
+    op), so the compiled backward recomputes inside one graph; identical blocks share one compiled graph.
+    """
+    if engine_cfg.compile:
+        problem = inductor_problem(device.type)
+        if problem:
+            raise ShardstackError(
+                f"config key 'engine.compile' is true, but torch.compile cannot build kernels on {device.type} "
+                f"here ({problem})",
+                hint="install a C++ compiler and the Python headers (Debian: apt-get install g++ python3-dev); on "
+                     "CUDA, Triton — or set engine.compile: false")
+    recompute = set(checkpointed_blocks(len(blocks), engine_cfg.activation_checkpointing,
+                                        engine_cfg.activation_checkpointing_every))
+    for i, block in enumerate(blocks):
+        forward = block.forward
+        if i in recompute:
+            forward = functools.partial(checkpoint, forward, use_reentrant=False)
+        if engine_cfg.compile:
+            forward = torch.compile(forward)
+        if i in recompute or engine_cfg.compile:
+            block.forward = forward
+
+
 def parallelize(model: nn.Module, engine_cfg: EngineConfig, dist_info: DistInfo) -> nn.Module:
     """Wrap `model` for `engine_cfg.stage`: a DDP wrapper for stages 0/1 (the model, initialised identically on every
     rank, moves to the device), or the model itself, sharded in place by FSDP2, for 2/3 (still on the meta device
     when the trainer built it there: build_engine materialises the shards afterwards)."""
     stage = engine_cfg.stage
     dev = dist_info.device
+    prepare_blocks(shard_units(model), engine_cfg, dev)
     if stage <= 1:
         return DDP(
             model.to(dev),

@@ -18,6 +18,7 @@ import numpy as np
 import torch
 
 from shardstack.errors import ShardstackError
+from shardstack.model.tokenizer import load_tokenizer
 from shardstack.train.build import build_on_meta
 from shardstack.train.config import JobConfig
 from shardstack.train.data import Batches, GlobalSampler, TokenDataset
@@ -137,6 +138,10 @@ def train(cfg: JobConfig, max_steps: int | None = None, *, out=None) -> TrainRes
     model_vocab = getattr(model.config, "vocab_size", dataset.vocab_size)
     if dataset.vocab_size > model_vocab:
         raise ShardstackError(f"data vocabulary ({dataset.vocab_size}) exceeds model.vocab_size ({model_vocab})")
+    if cfg.data.tokenizer is not None and dataset.meta["tokenizer"] != load_tokenizer(cfg.data.tokenizer).name:
+        raise ShardstackError(f"{cfg.data.path} was prepared with tokenizer {dataset.meta['tokenizer']}, but "
+                              f"data.tokenizer is {cfg.data.tokenizer}",
+                              hint=f"prepare it again: shardstack data prepare --tokenizer {cfg.data.tokenizer}")
     flops_per_token = model.flops_per_token() if hasattr(model, "flops_per_token") else \
         6 * sum(p.numel() for p in model.parameters())
 
@@ -203,7 +208,7 @@ def _log_memory(cfg: JobConfig, engine: Engine, micro: int, seq_len: int, accum:
     measured = engine.last_memory or engine.memory_breakdown()
     est = estimate_stage(engine.module, engine.cfg, engine.stage, engine.dist.world_size, engine.dist.rank,
                          weight_decay=cfg.optimizer.weight_decay, micro_batch=micro, seq_len=seq_len,
-                         accumulation=accum)
+                         accumulation=accum, optimizer_impl=cfg.optimizer.impl)
     result.memory_measured = measured
     result.memory_estimated = {"params": est.params, "grads": est.grads, "optimizer": est.optimizer,
                                "total": est.total, "peak": est.peak}

@@ -18,6 +18,7 @@ from shardstack.train.build import build_on_meta
 from shardstack.train.config import EngineConfig, OptimizerConfig
 from shardstack.train.dist import init_distributed, leave_worker, shutdown
 from shardstack.train.engine import build_engine
+from shardstack.train.memory.estimate import estimate_stage
 from shardstack.train.memory.host import tune_allocator
 
 # 282 M parameters (fp32: 1.05 GiB). A small vocabulary keeps the root unit (embeddings + head), which FSDP2 keeps
@@ -58,6 +59,10 @@ def main() -> None:
         res["forward_backward"] = status("VmHWM")
         engine.step()
         res["step"] = status("VmHWM")
+        est = estimate_stage(engine.module, EngineConfig(stage=3), 3, info.world_size, info.rank,
+                             weight_decay=OptimizerConfig().weight_decay, micro_batch=MICRO_BATCH,
+                             seq_len=MODEL.seq_len)
+        res["estimated_first_step_peak"], res["optimizer_impl"] = est.first_step_peak, est.optimizer_impl
     (out / f"rank{info.rank}.json").write_text(json.dumps(res))
     shutdown()
     leave_worker(0)

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import logging
+import sys
 
 import torch
 from shardstack.model.factory import build_model
@@ -47,7 +48,10 @@ def main() -> int:
             assert alone == {8: autobatch.OUT_OF_MEMORY, 4: autobatch.OK}, alone
             del model
         mb = autobatch.find_micro_batch(cfg, engine, 256, 256, budget=budget)
-        print(json.dumps({"stage": stage, "rank": info.rank, "micro_batch": mb, "budget": budget}), flush=True)
+        # One write per line: print() writes the text and the newline apart, and the two ranks share the pipe.
+        line = json.dumps({"stage": stage, "rank": info.rank, "micro_batch": mb, "budget": budget}) + "\n"
+        sys.stdout.write(line)
+        sys.stdout.flush()
         del engine
     shutdown()
     leave_worker(0)

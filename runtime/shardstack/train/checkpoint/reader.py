@@ -46,8 +46,21 @@ _DCP_METADATA_CLASSES = {
     "Metadata", "TensorStorageMetadata", "BytesStorageMetadata", "ChunkStorageMetadata", "TensorProperties",
     "StorageMeta", "MetadataIndex", "_MEM_FORMAT_ENCODING",
 }
+
+
+def _enum_member(cls: Any, name: Any) -> Any:
+    """`getattr` as some Python 3.11 releases pickle enum members (`getattr(cls, name)`; Debian 12's 3.11.2 does,
+    later 3.11s pickle `cls(value)`): only a member name of an enum the metadata holds."""
+    import torch.distributed.checkpoint.metadata as md
+
+    if cls is not md._MEM_FORMAT_ENCODING or not isinstance(name, str) or name not in cls.__members__:
+        raise pickle.UnpicklingError("it calls getattr on something other than a checkpoint metadata enum member")
+    return cls[name]
+
+
 # (module, name) → what the pickle may reference; nothing else is even imported.
 _ALLOWED: dict[tuple[str, str], Any] = {
+    ("builtins", "getattr"): _enum_member,
     **{("torch.distributed.checkpoint.metadata", n): None for n in _DCP_METADATA_CLASSES},
     ("torch.distributed.checkpoint.filesystem", "_StorageInfo"): _StorageInfo,
     ("torch", "Size"): torch.Size,

@@ -8,7 +8,8 @@ forward and reduce-scatters in backward, DDP all-reduces in backward) would leav
 collective the failed rank never joins. The trial is a local replica of the step instead:
 
 - the model built unsharded in the step's compute precision, its block list one block repeated L times (L blocks'
-  activations, one block's weights), on this rank's device;
+  activations, one block's weights), on this rank's device, recomputing in backward the blocks the engine's
+  activation checkpointing recomputes;
 - a reservation of what the real step holds besides activations and the replica does not (the estimator's peak
   without activations, less what this rank already holds and the replica's weights and gradients);
 - one forward/backward at the candidate size.
@@ -31,13 +32,14 @@ from collections.abc import Iterator
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.utils.checkpoint import checkpoint
 
 from shardstack.errors import ShardstackError
 from shardstack.model.factory import build_model
 from shardstack.train.config import JobConfig
 from shardstack.train.engine import Engine
 from shardstack.train.memory.estimate import estimate_stage
-from shardstack.train.parallelize import shard_units
+from shardstack.train.parallelize import checkpointed_blocks, shard_units
 
 log = logging.getLogger("shardstack.autobatch")
 
@@ -63,12 +65,27 @@ def cpu_budget_bytes(cfg: JobConfig) -> int:
     return avail // 2 // local_world
 
 
+class Recomputed(nn.Module):
+    """A place in the replica's block list whose activations are recomputed in backward, as the engine's
+    checkpointed blocks are (the shared block itself cannot carry a per-place forward)."""
+
+    def __init__(self, block: nn.Module) -> None:
+        super().__init__()
+        self.block = block
+
+    def forward(self, *args: object, **kwargs: object) -> torch.Tensor:
+        return checkpoint(self.block, *args, use_reentrant=False, **kwargs)
+
+
 def replica(cfg: JobConfig, engine: Engine) -> nn.Module:
-    """The model unsharded on this rank's device, one block standing in for all L (no collective ever runs on it)."""
+    """The model unsharded on this rank's device, one block standing in for all L (no collective ever runs on it),
+    with engine.activation_checkpointing applied to the same places."""
     with torch.device("meta"):
         model = build_model(cfg.model)
     blocks = shard_units(model)
-    model.blocks = nn.ModuleList([blocks[0]] * len(blocks))
+    recompute = set(checkpointed_blocks(len(blocks), cfg.engine.activation_checkpointing,
+                                        cfg.engine.activation_checkpointing_every))
+    model.blocks = nn.ModuleList([Recomputed(blocks[0]) if i in recompute else blocks[0] for i in range(len(blocks))])
     # FSDP2 stages compute in the compute dtype (MixedPrecisionPolicy); DDP stages autocast fp32 weights.
     dtype = engine.compute_dtype if engine.stage >= 2 else torch.float32
     model = model.to(dtype=dtype).to_empty(device=engine.dist.device)
@@ -169,7 +186,7 @@ def try_micro_batch(cfg: JobConfig, engine: Engine, model: nn.Module, micro_batc
     per_rank = cfg.batch.global_batch // info.world_size
     est = estimate_stage(engine.module, engine.cfg, engine.stage, info.world_size, info.rank,
                          weight_decay=cfg.optimizer.weight_decay, micro_batch=micro_batch, seq_len=seq_len,
-                         accumulation=per_rank // micro_batch)
+                         accumulation=per_rank // micro_batch, optimizer_impl=cfg.optimizer.impl)
     held = _held_bytes(engine)
     stand_in = 2 * _nbytes(model)  # the replica's weights and gradients are part of the step's own working set
     reserve = max(0, est.peak - est.activations - held - stand_in)

@@ -1,5 +1,5 @@
-"""Per-rank memory estimator: what each ZeRO stage keeps of parameters, gradients and optimizer states, plus a
-working-set and activation estimate. The formulas (docs/runtime.md, "Memory estimator"):
+"""Per-rank memory estimator: what each ZeRO stage keeps of parameters, gradients and optimizer states, plus the
+working set, activations and optimizer temporaries of a step. The formulas (docs/runtime.md, "Memory estimator"):
 
   E = Σ elements of the parameters (tied weights once), T = number of parameter tensors, N = world size,
   shard_r(t) = elements of tensor t on rank r when split on dim 0 as FSDP2 does (torch.chunk: ⌈d0/N⌉ rows per rank)
@@ -10,16 +10,19 @@ working-set and activation estimate. The formulas (docs/runtime.md, "Memory esti
   stage 2/3 params 4·Σ shard_r   grads 4·Σ shard_r    AdamW 8·Σ shard_r + 4T
 
 Master params, gradients and states stay fp32 under every precision (bf16/fp16 only change the compute copies).
-Beyond that persistent state, a step also needs the working parameters: stage 2 holds every block unsharded in
-the compute dtype from forward to backward, stage 3 only (1 + prefetch) blocks plus the root; with
-accumulation_sync "last" FSDP2 also holds unsharded fp32 gradients on non-final micro-batches. Activations per
-micro-batch are approximated as L·b·s·d·(34·e/2) for the blocks plus b·s·V·(e + 8) for logits and the loss
-(e = bytes of the compute dtype; Korthikanti et al. 2022 without the attention matrix, which SDPA never stores).
+Forward/backward adds the working parameters (stage 2: every block unsharded in the compute dtype from forward to
+backward; stage 3: (1 + prefetch) blocks plus the root), with accumulation_sync "last" on FSDP2 unsharded fp32
+gradients on non-final micro-batches, and the activations (`activation_bytes`); the optimizer step adds AdamW's
+temporaries (`optimizer_temporaries`) and, on FSDP2 stages, the sharded gradients, which exist only from backward
+to zero_grad. The activations are freed before the step, so the peak is what a rank holds between steps plus the
+larger of the two (bench/memory.py measures it). torch.compile changes none of this: compiled blocks save the
+same tensors for backward, and parameters and optimizer are untouched.
 """
 
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 from dataclasses import asdict, dataclass
 
 import torch
@@ -27,11 +30,13 @@ from torch import nn
 
 from shardstack.model.dtypes import to_dtype
 from shardstack.model.factory import build_model
+from shardstack.model.init import CHUNK_ELEMENTS
 from shardstack.train.config import EngineConfig, JobConfig
-from shardstack.train.optim import optimizer_param_groups
-from shardstack.train.parallelize import shard_units
+from shardstack.train.optim import auto_impl, optimizer_param_groups
+from shardstack.train.parallelize import checkpointed_blocks, shard_units
 
 FP32 = 4
+DDP_BROADCAST_BUCKET = 250 * 2**20  # DDP flattens what it broadcasts at construction into buckets of this size
 
 
 @dataclass
@@ -43,12 +48,17 @@ class StageEstimate:
     grads: int
     optimizer: int
     total: int  # params + grads + optimizer: what the local shards hold between steps
-    working_params: int  # unsharded compute-dtype parameters resident during forward/backward
+    working_params: int  # unsharded compute-dtype parameters during forward/backward (FSDP: + a block's gradients)
     accumulation_grads: int  # extra unsharded gradients held on non-final micro-batches ("last" sync, FSDP)
     activations: int  # per micro-batch, approximate
-    peak: int  # total + working + accumulation + activations (host bytes when offloaded excluded)
+    optimizer_impl: str  # fused | foreach | for_loop, as the run resolves optimizer.impl
+    optimizer_temporaries: int  # transient bytes inside optimizer.step
+    peak: int  # the highest point of a step once AdamW's state exists: what micro_batch auto must fit
+    first_step_peak: int  # the first step's, lower: AdamW's state is created in its optimizer.step
+    init_peak: int  # while the engine is built: DDP stages the whole model plus DDP's buffers, FSDP its shards
     offloaded: int  # of `total`, what CPUOffloadPolicy keeps in host memory
     micro_batch: int
+    checkpointed_blocks: int  # blocks whose activations are recomputed in backward
 
 
 def _chunk_rows(rows: int, world: int, rank: int) -> int:
@@ -76,57 +86,155 @@ def zero_partition(groups: list[list[torch.Tensor]], world: int) -> list[list[to
     return owned
 
 
-def activation_bytes(model: nn.Module, micro_batch: int, seq_len: int, compute_bytes: int) -> int:
+def block_widths(cfg: object) -> tuple[float, float]:
+    """(saved, gradients): what one block keeps for backward and the activation gradients of its backward, in d-wide
+    tensors per token (t = b·s·d·e each). Counted with autograd's saved-tensor hooks on CPU (tests/runtime/
+    test_estimate.py checks both architectures). f = MLP width / d, kv = key/value width / d.
+
+    GPT: the two LayerNorm inputs and their outputs as Linear inputs, the attention output (5), q, k, v (3) and the
+    MLP's two f-wide tensors: 8 + 2·f (16 at f = 4). Llama: the two RMSNorm inputs, their normalised values and
+    outputs, the attention output (7), q, k and v after RoPE (1 + 2·kv) and SwiGLU's four f-wide tensors (gate, its
+    SiLU, up, their product): 8 + 2·kv + 4·f. A model.factory model is counted as the GPT.
+    """
+    d = getattr(cfg, "d_model", 0) or 1
+    ffn = getattr(cfg, "ffn_dim", None)
+    if ffn is not None:  # the Llama family
+        f, kv = ffn / d, getattr(cfg, "n_kv_head", 1) * getattr(cfg, "head_dim", d) / d
+        return 8 + 2 * kv + 4 * f, 1 + 3 * f
+    f = getattr(cfg, "mlp_ratio", 4)
+    return 8 + 2 * f, 1 + 2 * f
+
+
+def activation_bytes(model: nn.Module, micro_batch: int, seq_len: int, compute_bytes: int,
+                     checkpointed: Sequence[int] = ()) -> int:
+    """The activations' high point in forward/backward for one micro-batch, the `checkpointed` blocks recomputed.
+
+    A block keeps `saved`·t (block_widths), t = b·s·d·e; a checkpointed block keeps only its input (t). Backward
+    runs the blocks last to first, each block's tensors freed after it; a checkpointed block first gets back the
+    (saved − 1)·t beside its input. Backward through a block adds the gradients of its activations, and the head
+    keeps the logits and, in fp32, their log-softmax and its gradient: b·s·V·(e + 8).
+    """
+    n_layer, token, saved, block, logits = _activation_terms(model, micro_batch, seq_len, compute_bytes)
+    recomputed = set(checkpointed)
+    high = kept = 0
+    for i in range(n_layer):  # the blocks' share when backward reaches block i
+        kept += token if i in recomputed else saved
+        high = max(high, kept + (saved - token if i in recomputed else 0))
+    return high + block - saved + logits
+
+
+def _activation_terms(model: nn.Module, micro_batch: int, seq_len: int, compute_bytes: int) -> tuple[int, ...]:
+    """(layers, one d-wide tensor, one block's saved tensors, one block in backward: its saved tensors and their
+    gradients, the head)."""
     cfg = getattr(model, "config", None)
     n_layer = getattr(cfg, "n_layer", len(getattr(model, "blocks", [])))
-    d = getattr(cfg, "d_model", 0)
-    vocab = getattr(cfg, "vocab_size", 0)
-    blocks = n_layer * micro_batch * seq_len * d * 34 * compute_bytes // 2
-    logits = micro_batch * seq_len * vocab * (compute_bytes + 8)
-    return blocks + logits
+    token = micro_batch * seq_len * getattr(cfg, "d_model", 0) * compute_bytes
+    saved, grads = block_widths(cfg)
+    logits = micro_batch * seq_len * getattr(cfg, "vocab_size", 0) * (compute_bytes + 8)
+    return n_layer, token, round(saved * token), round((saved + grads) * token), logits
+
+
+def optimizer_temporaries(groups: list[list[int]], impl: str) -> int:
+    """Bytes AdamW allocates transiently inside `step`, from the per-group local element counts of each tensor.
+
+    foreach: one sqrt(exp_avg_sq) list per parameter group (grouped by device and dtype: 4 bytes × the group's
+    elements), freed before the next group; for_loop: sqrt and the division for one tensor at a time (2 × 4 bytes
+    × the largest tensor); fused: none.
+    """
+    if impl == "foreach":
+        return FP32 * max((sum(g) for g in groups), default=0)
+    if impl == "for_loop":
+        return 2 * FP32 * max((n for g in groups for n in g), default=0)
+    return 0
 
 
 def estimate_stage(model: nn.Module, engine: EngineConfig, stage: int, world: int, rank: int, *,
-                   weight_decay: float, micro_batch: int, seq_len: int, accumulation: int = 1) -> StageEstimate:
+                   weight_decay: float, micro_batch: int, seq_len: int, accumulation: int = 1,
+                   optimizer_impl: str = "auto", device_type: str | None = None) -> StageEstimate:
+    """One rank's bytes at `stage`. `device_type` is where the model trains (default: where its parameters are);
+    `optimizer_impl` "auto" resolves as make_optimizer does."""
     params = [p for p in model.parameters() if p.requires_grad]
+    device_type = device_type or (params[0].device.type if params else "cpu")
+    # Offloaded parameters live on the host, and so does their optimizer step.
+    impl = optimizer_impl if optimizer_impl != "auto" else auto_impl("cpu" if engine.offload == "cpu" else device_type)
     n_elem = sum(p.numel() for p in params)
     n_tensors = len(params)
     compute_bytes = torch.empty((), dtype=to_dtype(engine.precision)).element_size()
     units = shard_units(model)
     root_elem = n_elem - sum(p.numel() for u in units for p in u.parameters())
+    groups = [g["params"] for g in optimizer_param_groups(model, weight_decay)]
+    # The seeded init draws a tensor's rows in chunks of ~CHUNK_ELEMENTS (at least one row) into a scratch tensor.
+    # Shapes only: indexing a sharded (DTensor) parameter would be a collective.
+    scratch = FP32 * max((min(p.numel(), max(CHUNK_ELEMENTS, math.prod(p.shape[1:]))) for p in params), default=0)
     accumulation_grads = 0
     if stage <= 1:
         p_b = g_b = FP32 * n_elem
         if stage == 0:
             o_b = 2 * FP32 * n_elem + FP32 * n_tensors
+            local_groups = [[p.numel() for p in g] for g in groups]
         else:
-            groups = [g["params"] for g in optimizer_param_groups(model, weight_decay)]
-            mine = zero_partition(groups, world)[rank]
-            o_b = sum(2 * FP32 * p.numel() + FP32 for p in mine)
+            mine = {id(p) for p in zero_partition(groups, world)[rank]}
+            o_b = sum(2 * FP32 * p.numel() + FP32 for g in groups for p in g if id(p) in mine)
+            local_groups = [[p.numel() for p in g if id(p) in mine] for g in groups]
         working = 0 if engine.precision == "fp32" else compute_bytes * n_elem  # autocast's cached casts
+        # Beside the model, DDP's construction broadcasts it through a flattened bucket and then allocates the
+        # gradient buckets (4E). The CUDA allocator counts those at once; on CPU their pages become resident only
+        # when the first backward writes them.
+        buckets = FP32 * n_elem if device_type == "cuda" else 0
+        init = FP32 * n_elem + max(min(FP32 * n_elem, DDP_BROADCAST_BUCKET), buckets, scratch)
     else:
         shard = sum(local_elements(p, world, rank) for p in params)
         p_b = g_b = FP32 * shard
         o_b = 2 * FP32 * shard + FP32 * n_tensors
+        local_groups = [[local_elements(p, world, rank) for p in g] for g in groups]
         block_elem = max(sum(p.numel() for p in u.parameters()) for u in units)
-        if stage == 2:
-            working = compute_bytes * n_elem
-        else:
-            working = compute_bytes * (root_elem + min(len(units), 1 + engine.prefetch) * block_elem)
+        # Backward holds a block's unsharded gradients (or the fp32 reduce-scatter input copied from them) until
+        # they are reduced, and reshards each block then, at either stage: late in backward only the root and
+        # (1 + prefetch) blocks are gathered — stage 3's working set all along.
+        staging = FP32 * block_elem
+        late_working = compute_bytes * (root_elem + min(len(units), 1 + engine.prefetch) * block_elem) + staging
+        working = compute_bytes * n_elem + staging if stage == 2 else late_working
         if accumulation > 1 and engine.accumulation_sync == "last":
             accumulation_grads = FP32 * n_elem
+        # Built on the meta device and sharded there: a rank allocates its shards only, then fills them chunk by
+        # chunk (shardstack.model.init).
+        init = p_b + scratch
     total = p_b + g_b + o_b
     offloaded = total if engine.offload == "cpu" else 0
-    act = activation_bytes(model, micro_batch, seq_len, compute_bytes)
+    recomputed = checkpointed_blocks(len(units), engine.activation_checkpointing,
+                                     engine.activation_checkpointing_every)
+    act = activation_bytes(model, micro_batch, seq_len, compute_bytes, recomputed)
+    temps = optimizer_temporaries(local_groups, impl)
+    fwd_bwd = working + accumulation_grads + act  # at the start of backward
+    if offloaded:  # the host holds the state and runs the step; the device sees forward/backward only
+        peak = first = fwd_bwd
+    else:
+        # Between steps a rank holds parameters, AdamW state and, on DDP stages, the gradient buckets (they outlive
+        # zero_grad); FSDP2's sharded gradients exist from the reduce-scatter in backward until zero_grad, when the
+        # activations are already freed. Before the first optimizer.step there is no AdamW state.
+        held = p_b + o_b + (g_b if stage <= 1 else 0)
+        if stage >= 2:
+            # As backward frees activations, the sharded gradients build up: with checkpointing (few activations
+            # kept) the highest point is the last block's backward, with nearly all gradients reduced.
+            fwd_bwd = max(fwd_bwd, g_b + late_working + _activation_terms(model, micro_batch, seq_len,
+                                                                          compute_bytes)[3])
+        at_step = (g_b if stage >= 2 else 0) + temps
+        peak = held + max(fwd_bwd, at_step)
+        first = held - o_b + max(fwd_bwd, o_b + at_step)
     return StageEstimate(stage=stage, world_size=world, rank=rank, params=p_b, grads=g_b, optimizer=o_b, total=total,
                          working_params=working, accumulation_grads=accumulation_grads, activations=act,
-                         peak=total - offloaded + working + accumulation_grads + act, offloaded=offloaded,
-                         micro_batch=micro_batch)
+                         optimizer_impl=impl, optimizer_temporaries=temps, peak=peak, first_step_peak=first,
+                         init_peak=init, offloaded=offloaded, micro_batch=micro_batch,
+                         checkpointed_blocks=len(recomputed))
 
 
 def estimate(cfg: JobConfig, world: int, *, stages: list[int] | None = None, rank: int | None = None,
              micro_batch: int | None = None) -> list[StageEstimate]:
-    """One estimate per stage; `rank=None` reports the rank that holds the most (ranks differ only by rounding)."""
+    """One estimate per stage; `rank=None` reports the rank that holds the most (ranks differ only by rounding).
+
+    The device is the config's (`auto`: CUDA if this machine has it), which decides `optimizer.impl: auto`."""
+    device_type = cfg.engine.device if cfg.engine.device != "auto" else \
+        "cuda" if torch.cuda.is_available() else "cpu"
     with torch.device("meta"):
         model = build_model(cfg.model)
     seq_len = model.config.seq_len if hasattr(model, "config") else 0
@@ -138,6 +246,7 @@ def estimate(cfg: JobConfig, world: int, *, stages: list[int] | None = None, ran
                               "offload": cfg.engine.offload if stage >= 2 else "none"})
         ranks = [rank] if rank is not None else range(world)
         per_rank = [estimate_stage(model, eng, stage, world, r, weight_decay=cfg.optimizer.weight_decay,
-                                   micro_batch=mb, seq_len=seq_len, accumulation=accum) for r in ranks]
-        out.append(max(per_rank, key=lambda e: e.total))
+                                   micro_batch=mb, seq_len=seq_len, accumulation=accum,
+                                   optimizer_impl=cfg.optimizer.impl, device_type=device_type) for r in ranks]
+        out.append(max(per_rank, key=lambda e: e.peak))
     return out
