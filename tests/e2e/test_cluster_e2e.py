@@ -345,7 +345,7 @@ def test_cordon_an_inference_node_under_load_fails_no_request(lab3: Cluster) -> 
     socket = str(cluster.setting(inv, "loadbalancer_admin_socket", "loadbalancer", "loadbalancer"))
     with Load(ep) as load:
         out = cordon.apply(victim, "cordon", lab3.inventory, inv["groups"], socket=socket)
-        assert out.load_balancers == inv["groups"]["loadbalancer"]
+        assert out.load_balancers == inv["groups"]["loadbalancer"] and out.metric_written, out.notes
         time.sleep(3)
         drained = _status_json(lab3)
         answered = {i["host"] for i in _infos(ep)}

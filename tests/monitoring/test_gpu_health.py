@@ -143,3 +143,29 @@ def test_patrol_units_render(patrol: ModuleType) -> None:
     service = no_dcgm.render("shardstack-gpu-health.service.j2")
     assert "ExecStartPre" not in service and service.count("--dcgmi ''") == 1
     assert "OnUnitActiveSec=2min\n" in no_dcgm.render("shardstack-gpu-health.timer.j2")
+
+
+def test_the_overview_dashboard_shows_gpu_health_and_cordoned_nodes(patrol: ModuleType) -> None:
+    """Panels for the patrol's findings and for cordoned nodes, reading only metrics that exist: every
+    shardstack_gpu_health_* name is one the patrol writes, and shardstack_node_cordoned is what `shardstack node`
+    writes on the node (its textfile, shardstack.ops.cordon.metric_text)."""
+    import json
+    import re
+
+    from shardstack.ops import cordon
+
+    from .conftest import DASHBOARDS_DIR
+
+    d = json.loads((DASHBOARDS_DIR / "cluster-overview.json").read_text())
+    titles = {p["title"]: [t["expr"] for t in p.get("targets", [])] for p in d["panels"]}
+    exprs = [e for es in titles.values() for e in es]
+    written = {f"shardstack_gpu_health_{suffix}" for suffix in patrol.HELP}
+    read = set(re.findall(r"shardstack_gpu_health_[a-z_]+", " ".join(exprs)))
+    assert {"shardstack_gpu_health_ecc_uncorrected_volatile", "shardstack_gpu_health_dcgm_status",
+            "shardstack_gpu_health_xid_events", "shardstack_gpu_health_last_run_timestamp_seconds"} <= read
+    assert read <= written, read - written
+    assert any(t.startswith("GPU health") for t in titles)
+    cordoned = titles["Cordoned nodes"]
+    assert any("shardstack_node_cordoned" in e for e in cordoned)
+    assert "shardstack_node_cordoned 1" in cordon.metric_text("cordon")
+    assert "shardstack_node_cordoned 0" in cordon.metric_text("uncordon")

@@ -18,6 +18,19 @@ REPO = Path(__file__).resolve().parents[2]
 GROUPS = {"train_nodes": ["t1", "t2", "t3"], "inference_nodes": ["i1", "both"], "loadbalancer": []}
 
 
+@pytest.fixture(autouse=True)
+def commands(monkeypatch: pytest.MonkeyPatch) -> list[tuple[list[str], str]]:
+    """The ad-hoc commands apply() would run (argv, host pattern), each answered with success and no output."""
+    sent: list[tuple[list[str], str]] = []
+
+    def fake(argv: list[str], inventory: Path, pattern: str, **kwargs: object) -> dict[str, CommandResult]:
+        sent.append((argv, pattern))
+        return {h: CommandResult(h, 0) for h in pattern.split(",")}
+
+    monkeypatch.setattr(cordon, "run_command", fake)
+    return sent
+
+
 @pytest.fixture
 def inventory(tmp_path: Path) -> Path:
     path = tmp_path / "inventory" / "hosts.ini"
@@ -71,6 +84,35 @@ def test_errors_are_shardstack_errors_with_hints(inventory: Path) -> None:
     cordon.state_file(inventory).write_text('["t1"]')
     with pytest.raises(ShardstackError, match="not a mapping"):
         cordon.load(inventory)
+
+
+def test_the_node_carries_a_cordoned_metric(inventory: Path, commands: list, tmp_path: Path) -> None:
+    """cordon/drain write shardstack_node_cordoned 1 into node_exporter's textfile directory on the node, uncordon 0;
+    the script really produces the file (run here with sh) and node_exporter's format parses."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    out = cordon.apply("t1", "cordon", inventory, GROUPS, textfile_dir=str(tmp_path / "textfile"))
+    assert out.metric_written and commands[-1][1] == "t1"
+    (tmp_path / "textfile").mkdir()
+    for action, value in (("drain", 1.0), ("uncordon", 0.0), ("cordon", 1.0)):
+        argv = cordon.metric_argv(action, str(tmp_path / "textfile"))
+        subprocess.run(argv, check=True)
+        files = sorted(p.name for p in (tmp_path / "textfile").iterdir())
+        assert files == [cordon.METRIC_FILE]  # no temporary file left behind
+        text = (tmp_path / "textfile" / cordon.METRIC_FILE).read_text()
+        [family] = text_string_to_metric_families(text)
+        assert family.name == "shardstack_node_cordoned" and family.type == "gauge"
+        assert [s.value for s in family.samples] == [value]
+
+
+def test_an_unreachable_node_is_still_cordoned_with_a_note(inventory: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    def unreachable(argv: list[str], inventory: Path, pattern: str, **kwargs: object) -> dict[str, CommandResult]:
+        return {pattern: CommandResult(pattern, 4, unreachable=True, message="ssh: connect timed out")}
+
+    monkeypatch.setattr(cordon, "run_command", unreachable)
+    out = cordon.apply("t1", "cordon", inventory, GROUPS)
+    assert not out.metric_written and cordon.cordoned(inventory) == ["t1"]
+    assert any("shardstack_node_cordoned not written on t1 (ssh: connect timed out)" in n for n in out.notes)
 
 
 def test_haproxy_commands() -> None:

@@ -13,7 +13,8 @@ from shardstack.ops import cordon as cordon_ops
 
 HELP = {
     "cordon": "take a node out of service: HAProxy drains an inference backend; train jobs submitted later skip it",
-    "drain": "cordon, and (train node) stop its running job at the next checkpoint where the trainer can",
+    "drain": "cordon; on a train node the running job is NOT stopped (the trainer has no clean stop at a "
+             "checkpoint): stop it with `shardstack train stop JOB`",
     "uncordon": "put a node back: HAProxy sends it requests again; train jobs may use it",
 }
 
@@ -32,7 +33,10 @@ def register(sub: argparse._SubParsersAction) -> None:
 def _apply(args: argparse.Namespace) -> int:
     inv = cluster.inventory_hosts(args.inventory)
     socket = str(cluster.setting(inv, "loadbalancer_admin_socket", "loadbalancer", "loadbalancer"))
-    out = cordon_ops.apply(args.node, args.action, args.inventory, inv["groups"], socket=socket)
+    own = inv["hostvars"].get(args.node, {}).get("node_exporter_textfile_dir")  # the node's own value wins
+    textfile_dir = str(own or cluster.setting(inv, "node_exporter_textfile_dir", "node_exporter"))
+    out = cordon_ops.apply(args.node, args.action, args.inventory, inv["groups"], socket=socket,
+                           textfile_dir=textfile_dir)
     if args.json:
         print(json.dumps(asdict(out), indent=2))
         return 0
@@ -41,6 +45,8 @@ def _apply(args: argparse.Namespace) -> int:
     if out.load_balancers:
         state = cordon_ops.HAPROXY_STATE[out.action].upper()
         console.print(f"  HAProxy server state {state} on {', '.join(out.load_balancers)}")
+    if out.metric_written:
+        console.print(f"  shardstack_node_cordoned {0 if out.action == 'uncordon' else 1} on {out.node}")
     for note in out.notes:
         console.print(f"  {note}")
     console.print(f"  state: {out.state_file}")

@@ -5,6 +5,11 @@ State lives on the controller beside the inventory, `<inventory dir>/state/cordo
 is also taken out of the load balancers through HAProxy's runtime API (`set server <backend>/<node> state drain`:
 in-flight requests finish, no new ones arrive); a train node is left out of jobs submitted later
 (`shardstack.ops.train.submit`). Only this module reads or writes the state file.
+
+For Grafana and alerting, the node itself also carries the state: node_exporter's textfile collector reads
+`shardstack_node_cordoned 1` (0 after uncordon) from `<node_exporter_textfile_dir>/shardstack_cordon.prom`, written
+on the node by the same command. That write is best effort (a node is often cordoned because it is sick or
+unreachable): when it fails the outcome says so and the state file stays the record.
 """
 
 from __future__ import annotations
@@ -27,6 +32,8 @@ ROLE_GROUPS = {"inference": "inference_nodes", "train": "train_nodes"}
 # HAProxy's server states for each action (runtime API, `set server … state`).
 HAPROXY_STATE = {"cordon": "drain", "drain": "drain", "uncordon": "ready"}
 _NAME = re.compile(r"[A-Za-z0-9_.:-]+")  # what HAProxy accepts as a backend or server name
+TEXTFILE_DIR = "/var/lib/prometheus/node-exporter"  # node_exporter_textfile_dir's default
+METRIC_FILE = "shardstack_cordon.prom"
 NO_CLEAN_STOP = ("the trainer has no stop-at-next-checkpoint mechanism: the running job keeps running on this "
                  "node; `shardstack train stop JOB` stops it and a resubmit resumes from the last checkpoint")
 
@@ -110,18 +117,38 @@ def check_haproxy_answers(answers: dict[str, CommandResult], lbs: list[str], com
                                    "that the load balancer is deployed")
 
 
+def metric_text(action: str) -> str:
+    """The textfile node_exporter exports for the node: 1 while cordoned or drained, 0 once uncordoned."""
+    if action not in ACTIONS:
+        raise ShardstackError(f"unknown action {action!r}", hint=f"one of {', '.join(ACTIONS)}")
+    return ("# HELP shardstack_node_cordoned 1 while the node is cordoned or drained (shardstack node), else 0.\n"
+            "# TYPE shardstack_node_cordoned gauge\n"
+            f"shardstack_node_cordoned {0 if action == 'uncordon' else 1}\n")
+
+
+def metric_argv(action: str, textfile_dir: str) -> list[str]:
+    """Write the textfile on the node atomically (a temporary name node_exporter ignores, then a rename)."""
+    final = f"{textfile_dir.rstrip('/')}/{METRIC_FILE}"
+    tmp = f"{textfile_dir.rstrip('/')}/.{METRIC_FILE}.tmp"
+    script = (f"umask 022 && printf '%s' {shlex.quote(metric_text(action))} > {shlex.quote(tmp)} && "
+              f"mv -f {shlex.quote(tmp)} {shlex.quote(final)}")
+    return ["sh", "-c", script]
+
+
 @dataclass
 class Outcome:
     node: str
     action: str
     roles: list[str]
     load_balancers: list[str] = field(default_factory=list)  # where the HAProxy server state was set
+    metric_written: bool = False  # shardstack_node_cordoned on the node (node_exporter's textfile)
     notes: list[str] = field(default_factory=list)
     state_file: str = ""
 
 
 def apply(node: str, action: str, inventory: Path, groups: dict[str, list[str]], *,
-          backend: str = "inference", socket: str = "/run/haproxy/admin.sock") -> Outcome:
+          backend: str = "inference", socket: str = "/run/haproxy/admin.sock",
+          textfile_dir: str = TEXTFILE_DIR) -> Outcome:
     """Cordon, drain or uncordon one node; the state file changes only after HAProxy accepted the change."""
     if action not in ACTIONS:
         raise ShardstackError(f"unknown action {action!r}", hint=f"one of {', '.join(ACTIONS)}")
@@ -144,6 +171,12 @@ def apply(node: str, action: str, inventory: Path, groups: dict[str, list[str]],
             outcome.notes.append("train node: left out of jobs submitted from now on")
         if action == "drain":
             outcome.notes.append(NO_CLEAN_STOP)
+    written = run_command(metric_argv(action, textfile_dir), inventory, node, timeout=60).get(node)
+    outcome.metric_written = bool(written and written.success)
+    if not outcome.metric_written:
+        why = (written.message or written.stderr or f"rc={written.rc}").strip() if written else "no answer"
+        outcome.notes.append(f"shardstack_node_cordoned not written on {node} ({why}): Grafana's cordoned panel "
+                             f"will not show this change until `shardstack node {action} {node}` runs again")
     if action == "uncordon":
         state.pop(node, None)
     else:
