@@ -102,6 +102,8 @@ CASES = [
          template="shardstack-log-metrics.service.j2"),
     Case("log store vacuum", "shardstack-log-vacuum.service", 3.0, "journal",
          template="shardstack-log-vacuum.service.j2"),
+    Case("GPU health patrol", "shardstack-gpu-health.service", 2.5, "dcgm_exporter",
+         template="shardstack-gpu-health.service.j2"),
     Case("artifacts prune", "shardstack-artifacts-prune.service", 3.0, "shared_storage",
          template="shardstack-artifacts-prune.service.j2"),
 ]
