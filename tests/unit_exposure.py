@@ -96,6 +96,16 @@ CASES = [
          dropins=(("grafana-server.override.conf.j2", "shardstack.conf"), HARDENING)),
     Case("firewall loader", "shardstack-firewall.service", 3.0, "firewall",
          template="shardstack-firewall.service.j2"),
+    Case("journal heartbeat", "shardstack-journal-heartbeat.service", 3.0, "journal",
+         template="shardstack-journal-heartbeat.service.j2"),
+    Case("log arrival metrics", "shardstack-log-metrics.service", 3.0, "journal",
+         template="shardstack-log-metrics.service.j2"),
+    Case("log store vacuum", "shardstack-log-vacuum.service", 3.0, "journal",
+         template="shardstack-log-vacuum.service.j2"),
+    Case("GPU health patrol", "shardstack-gpu-health.service", 2.5, "dcgm_exporter",
+         template="shardstack-gpu-health.service.j2"),
+    Case("artifacts prune", "shardstack-artifacts-prune.service", 3.0, "shared_storage",
+         template="shardstack-artifacts-prune.service.j2"),
 ]
 
 

@@ -325,6 +325,61 @@ def test_a_hung_engine_is_killed_by_the_watchdog_and_serves_again(lab3: Cluster)
     assert all(a.status == 200 for a in answers)
 
 
+# Cordon and status (issue 16). Self-contained so they can be dropped without touching the rest; before the
+# firewall test and the secrets scan, which stays last (it reads the artifacts cordon's ad-hoc commands leave).
+def _status_json(lab3: Cluster) -> dict:
+    """`shardstack status --json` as the operator runs it."""
+    proc = subprocess.run([sys.executable, "-m", "shardstack", "status", "--json", "-i", str(lab3.inventory)],
+                          capture_output=True, text=True, timeout=120, check=False)
+    assert proc.returncode == 0, proc.stderr
+    return json.loads(proc.stdout)
+
+
+def test_cordon_an_inference_node_under_load_fails_no_request(lab3: Cluster) -> None:
+    from shardstack.ops import cordon
+
+    inv = lab3.inv
+    ep = cluster.endpoint(lab3.inventory)
+    backends = set(inv["groups"]["inference_nodes"])
+    victim = sorted(backends)[-1]
+    socket = str(cluster.setting(inv, "loadbalancer_admin_socket", "loadbalancer", "loadbalancer"))
+    with Load(ep) as load:
+        out = cordon.apply(victim, "cordon", lab3.inventory, inv["groups"], socket=socket)
+        assert out.load_balancers == inv["groups"]["loadbalancer"] and out.metric_written, out.notes
+        time.sleep(3)
+        drained = _status_json(lab3)
+        answered = {i["host"] for i in _infos(ep)}
+        cordon.apply(victim, "uncordon", lab3.inventory, inv["groups"], socket=socket)
+        time.sleep(3)
+        restored = _status_json(lab3)
+    print(f"\ncordon/uncordon {victim} under load: {dict(load.codes)}")
+    assert load.codes[200] > 20
+    assert set(load.codes) == {200}, dict(load.codes)
+    # HAProxy drained it (status agrees with the state file) and no new request reached it.
+    assert {b["server"]: b["status"] for b in drained["backends"]}[victim] == "DRAIN"
+    assert {n["node"]: n["cordoned"] for n in drained["nodes"]}[victim] == "cordon"
+    assert answered == backends - {victim}
+    # Uncordon restores both.
+    assert {b["server"]: b["status"] for b in restored["backends"]}[victim] == "UP"
+    assert {n["node"]: n["cordoned"] for n in restored["nodes"]}[victim] is None
+    assert cordon.cordoned(lab3.inventory) == []
+
+
+def test_status_json_matches_the_lab(lab3: Cluster) -> None:
+    st = _status_json(lab3)
+    inv = lab3.inv
+    hosts = {h for g in ("train_nodes", "inference_nodes", "loadbalancer", "monitoring_server", "storage_server")
+             for h in inv["groups"].get(g, [])}
+    assert {n["node"] for n in st["nodes"]} == hosts
+    assert all(n["up"] is True for n in st["nodes"]), st["nodes"]
+    assert {b["server"] for b in st["backends"]} == set(inv["groups"]["inference_nodes"])
+    assert all(b["status"] == "UP" for b in st["backends"]), st["backends"]
+    assert "Watchdog" in {a["name"] for a in st["alerts"]}
+    # The systemd collector is on by default, so failed units are a list (whatever a lab container has failed).
+    assert isinstance(st["failed_units"], list)
+    assert not [u for u in st["failed_units"] if u["unit"].startswith("shardstack-")], st["failed_units"]
+
+
 # Prints 'open', 'refused' or 'dropped' (no answer in 3 s) for a TCP connection to argv[1]:argv[2].
 _PROBE = ("import socket, sys\ntry:\n    socket.create_connection((sys.argv[1], int(sys.argv[2])), timeout=3).close()\n"
           "    print('open')\nexcept ConnectionRefusedError:\n    print('refused')\nexcept TimeoutError:\n"

@@ -453,3 +453,48 @@ def test_validate_probes_over_https_and_no_secret_reaches_the_runner_artifacts(t
     leaks = {name: sorted(str(p.relative_to(art)) for p, t in texts.items() if value in t)
              for name, value in secrets.items()}
     assert not any(leaks.values()), leaks
+
+
+def _admin(sock: Path, line: str) -> str:
+    """One runtime-API command on HAProxy's admin socket, as socat sends it for `shardstack node`."""
+    with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as s:
+        s.settimeout(5)
+        s.connect(str(sock))
+        s.sendall(line.encode() + b"\n")
+        chunks = []
+        while chunk := s.recv(65536):
+            chunks.append(chunk)
+    return b"".join(chunks).decode()
+
+
+def _server_status(sock: Path, server: str) -> str:
+    rows = [r.split(",") for r in _admin(sock, "show stat").splitlines() if r.startswith(f"inference,{server},")]
+    return rows[0][17]
+
+
+def test_cordon_commands_drain_and_restore_a_server(lb: dict, tmp_path: Path) -> None:
+    from shardstack.ops import cordon
+    from shardstack.ops import status as status_ops
+    from shardstack.ops.runner import CommandResult
+
+    sock = tmp_path / "admin.sock"
+    command = cordon.haproxy_command("inference", "a", "cordon")
+    answer = _admin(sock, command)
+    cordon.check_haproxy_answers({"lb": CommandResult("lb", 0, answer)}, ["lb"], command)  # empty: accepted
+    assert _server_status(sock, "a") == "DRAIN"
+    servers = {s["server"]: s for s in status_ops.haproxy_servers(lb["metrics"])}  # what `shardstack status` reads
+    assert servers["a"]["status"] == "DRAIN" and servers["b"]["status"] == "UP"
+    before = lb["a"].hits[200]
+    codes = Counter(post(lb)[0] for _ in range(10))
+    assert codes == Counter({200: 10}) and lb["a"].hits[200] == before  # no new requests reach a drained server
+
+    _admin(sock, cordon.haproxy_command("inference", "a", "uncordon"))
+    assert _server_status(sock, "a") == "UP"
+    assert {s["server"]: s["status"] for s in status_ops.haproxy_servers(lb["metrics"])} == {"a": "UP", "b": "UP"}
+
+    # A server HAProxy does not know: its answer is an error, reported with a hint.
+    bad = cordon.haproxy_command("inference", "nosuch", "drain")
+    answer = _admin(sock, bad)
+    assert answer.strip()
+    with pytest.raises(ShardstackError, match="HAProxy refused"):
+        cordon.check_haproxy_answers({"lb": CommandResult("lb", 0, answer)}, ["lb"], bad)

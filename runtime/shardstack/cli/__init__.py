@@ -28,6 +28,10 @@ _COMMAND_MODULES: list[tuple[str, str, str]] = [
     ("checkpoint", "shardstack.cli.checkpoint", "list and verify training checkpoints"),
     ("export", "shardstack.cli.checkpoint", "consolidate a checkpoint into safetensors for serving"),
     ("serve", "shardstack.cli.serve", "OpenAI-compatible inference service (serve rollout: on the cluster)"),
+    ("node", "shardstack.cli.node", "cordon, drain and uncordon nodes (HAProxy runtime API, train job exclusion)"),
+    ("status", "shardstack.cli.status", "the cluster in one table: nodes, failed units, training, backends, alerts"),
+    ("artifacts", "shardstack.cli.artifacts", "training artefacts on shared storage: prune old ones"),
+    ("logs", "shardstack.cli.logs", "search every node's journal in the central log store"),
     ("wheelhouse", "shardstack.cli.wheelhouse", "build the offline wheelhouse the nodes install shardstack from"),
     ("demo", "shardstack.cli.demo", "the lab end to end: lab up, site.yml, train, export, serve, validate"),
 ]

@@ -14,6 +14,7 @@ from pathlib import Path
 from typing import Any
 
 from shardstack.errors import ShardstackError
+from shardstack.ops import cordon
 from shardstack.ops.runner import RunResult, run_command, run_playbook
 
 JOB_NAME = re.compile(r"^[a-z0-9][a-z0-9_-]{0,62}$")
@@ -45,6 +46,9 @@ def submit(config: dict[str, Any], name: str, inventory: Path, *, nodes: int | N
     extravars: dict[str, Any] = {"train_job_name": name, "train_job_config": config}
     if nodes:
         extravars["train_job_nodes"] = nodes
+    # Cordoned train nodes (`shardstack node cordon`) are left out; the playbook refuses if too few remain.
+    if excluded := cordon.cordoned(inventory, "train"):
+        extravars["train_job_exclude"] = excluded
     return run_playbook("playbooks/train_submit.yml", inventory, extravars=extravars, on_event=on_event)
 
 

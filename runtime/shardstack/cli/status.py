@@ -1,0 +1,71 @@
+"""`shardstack status [--json] [--watch [SECONDS]]`: the cluster in one table (docs/operations.md, "Status")."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import time
+
+from rich.live import Live
+from rich.table import Table
+
+from shardstack.cli.deploy import add_inventory_arg
+from shardstack.cli.output import console
+from shardstack.ops import cluster, cordon
+from shardstack.ops import status as status_ops
+
+
+def register(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("status", help="nodes, failed units, training, inference backends and alerts in one table")
+    add_inventory_arg(p)
+    p.add_argument("--json", action="store_true", help="the same data as one JSON document")
+    p.add_argument("--watch", type=float, nargs="?", const=5.0, metavar="SECONDS",
+                   help="refresh every SECONDS (default 5) until interrupted")
+    p.set_defaults(func=_status)
+
+
+def table(st: status_ops.Status) -> Table:
+    t = Table(title="shardstack status", show_lines=False)
+    for col in ("kind", "name", "state", "detail"):
+        t.add_column(col)
+    for n in st.nodes:
+        state = {True: "[green]up[/]", False: "[red]DOWN[/]", None: "?"}[n["up"]]
+        if n["cordoned"]:
+            state += f" [yellow]{ {'cordon': 'cordoned', 'drain': 'drained'}.get(n['cordoned'], n['cordoned'])}[/]"
+        t.add_row("node", n["node"], state, ", ".join(n["groups"] + n["gpu_alerts"]))
+    for u in st.failed_units or []:
+        t.add_row("unit", f"{u['node']}: {u['unit']}", "[red]failed[/]", "")
+    for tr in st.training:
+        detail = (f"step {tr.get('step', 0):.0f}, loss {tr.get('loss', float('nan')):.4f}, "
+                  f"{tr.get('tokens_per_second', 0):.0f} tokens/s")
+        t.add_row("training", tr["node"], "reporting", detail)
+    for b in st.backends:
+        colour = "green" if b["status"] == "UP" else "yellow" if b["status"] == "DRAIN" else "red"
+        detail = (f"{b['sessions']} sessions, {b['queued']} queued, {b['sessions_total']} since start, "
+                  f"check {b['check'] or '-'}")
+        t.add_row("backend", b["server"], f"[{colour}]{b['status']}[/]", detail)
+    for a in st.alerts:
+        colour = "red" if a["severity"] == "critical" else "yellow"
+        t.add_row("alert", a["name"], f"[{colour}]{a['severity']}[/]", f"{a['node']} {a['summary']}".strip())
+    for note in st.notes:
+        t.add_row("note", "", "", note)
+    return t
+
+
+def _status(args: argparse.Namespace) -> int:
+    inv = cluster.inventory_hosts(args.inventory)
+    prometheus, haproxy = status_ops.sources(inv)
+
+    def snapshot() -> status_ops.Status:
+        return status_ops.collect(inv["groups"], cordon.load(args.inventory), prometheus, haproxy)
+
+    if args.json:
+        print(json.dumps(snapshot().to_dict(), indent=2))
+        return 0
+    if not args.watch:
+        console.print(table(snapshot()))
+        return 0
+    with Live(table(snapshot()), console=console, auto_refresh=False) as live:
+        while True:
+            time.sleep(args.watch)
+            live.update(table(snapshot()), refresh=True)

@@ -1,0 +1,185 @@
+"""Cordon, drain and uncordon nodes (`shardstack node …`, docs/operations.md "Cordon and drain").
+
+State lives on the controller beside the inventory, `<inventory dir>/state/cordoned.json`, one entry per node:
+`{"node": {"action": "cordon"|"drain", "roles": ["inference", "train"], "since": ISO-8601}}`. An inference node
+is also taken out of the load balancers through HAProxy's runtime API (`set server <backend>/<node> state drain`:
+in-flight requests finish, no new ones arrive); a train node is left out of jobs submitted later
+(`shardstack.ops.train.submit`). Only this module reads or writes the state file.
+
+For Grafana and alerting, the node itself also carries the state: node_exporter's textfile collector reads
+`shardstack_node_cordoned 1` (0 after uncordon) from `<node_exporter_textfile_dir>/shardstack_cordon.prom`, written
+on the node by the same command. That write is best effort (a node is often cordoned because it is sick or
+unreachable): when it fails the outcome says so and the state file stays the record.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import shlex
+import tempfile
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from shardstack.errors import ShardstackError
+from shardstack.ops.runner import CommandResult, run_command
+
+ACTIONS = ("cordon", "drain", "uncordon")
+ROLE_GROUPS = {"inference": "inference_nodes", "train": "train_nodes"}
+# HAProxy's server states for each action (runtime API, `set server … state`).
+HAPROXY_STATE = {"cordon": "drain", "drain": "drain", "uncordon": "ready"}
+_NAME = re.compile(r"[A-Za-z0-9_.:-]+")  # what HAProxy accepts as a backend or server name
+TEXTFILE_DIR = "/var/lib/prometheus/node-exporter"  # node_exporter_textfile_dir's default
+METRIC_FILE = "shardstack_cordon.prom"
+NO_CLEAN_STOP = ("the trainer has no stop-at-next-checkpoint mechanism: the running job keeps running on this "
+                 "node; `shardstack train stop JOB` stops it and a resubmit resumes from the last checkpoint")
+
+
+def state_file(inventory: Path) -> Path:
+    """`state/cordoned.json` in the inventory's directory (the inventory itself when it is a directory)."""
+    inventory = inventory.resolve()
+    base = inventory if inventory.is_dir() else inventory.parent
+    return base / "state" / "cordoned.json"
+
+
+def load(inventory: Path) -> dict[str, dict[str, Any]]:
+    path = state_file(inventory)
+    if not path.exists():
+        return {}
+    try:
+        data = json.loads(path.read_text())
+    except (OSError, ValueError) as exc:
+        raise ShardstackError(f"cannot read the cordon state {path}: {exc}",
+                              hint="fix or remove the file; `shardstack node uncordon NODE` rewrites it") from None
+    if not isinstance(data, dict) or not all(isinstance(v, dict) for v in data.values()):
+        raise ShardstackError(f"the cordon state {path} is not a mapping of node → entry",
+                              hint="fix or remove the file; `shardstack node uncordon NODE` rewrites it")
+    return data
+
+
+def save(inventory: Path, state: dict[str, dict[str, Any]]) -> Path:
+    """Written to a temporary file and renamed, so a reader never sees half of it."""
+    path = state_file(inventory)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(prefix=".cordoned.", dir=path.parent)
+    try:
+        with os.fdopen(fd, "w") as handle:
+            json.dump(dict(sorted(state.items())), handle, indent=2)
+            handle.write("\n")
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+    return path
+
+
+def cordoned(inventory: Path, role: str | None = None) -> list[str]:
+    """Cordoned (or drained) nodes, optionally only those recorded with `role` (inference | train)."""
+    return sorted(n for n, e in load(inventory).items() if role is None or role in e.get("roles", []))
+
+
+def roles_of(node: str, groups: dict[str, list[str]]) -> list[str]:
+    roles = [role for role, group in ROLE_GROUPS.items() if node in groups.get(group, [])]
+    if not roles:
+        known = sorted({h for g in ROLE_GROUPS.values() for h in groups.get(g, [])})
+        raise ShardstackError(f"{node} is neither an inference node nor a train node in the inventory",
+                              hint=f"nodes: {', '.join(known) or 'none'}")
+    return roles
+
+
+def haproxy_command(backend: str, server: str, action: str) -> str:
+    """The runtime-API line for an action; names are checked so nothing else can ride along on the socket."""
+    if action not in HAPROXY_STATE:
+        raise ShardstackError(f"unknown action {action!r}", hint=f"one of {', '.join(ACTIONS)}")
+    for what, name in (("backend", backend), ("server", server)):
+        if not _NAME.fullmatch(name):
+            raise ShardstackError(f"{what} name {name!r} is not a HAProxy name ([A-Za-z0-9_.:-])")
+    return f"set server {backend}/{server} state {HAPROXY_STATE[action]}"
+
+
+def socket_argv(command: str, socket: str) -> list[str]:
+    """One runtime-API command sent to the admin socket with socat (the loadbalancer role installs it)."""
+    return ["sh", "-c", f"printf '%s\\n' {shlex.quote(command)} | socat stdio {shlex.quote(socket)}"]
+
+
+def check_haproxy_answers(answers: dict[str, CommandResult], lbs: list[str], command: str) -> None:
+    """`set server` prints nothing on success; anything else (No such server., Unknown command …) is a failure."""
+    bad = {h: (r.message or r.stderr or r.stdout or f"rc={r.rc}").strip() for h, r in answers.items()
+           if not r.success or r.stdout.strip()}
+    bad.update({h: "no answer" for h in lbs if h not in answers})
+    if bad:
+        detail = "; ".join(f"{h}: {m}" for h, m in sorted(bad.items()))
+        raise ShardstackError(f"HAProxy refused `{command}`: {detail}",
+                              hint="check the backend and server names (`show servers state` on the socket) and "
+                                   "that the load balancer is deployed")
+
+
+def metric_text(action: str) -> str:
+    """The textfile node_exporter exports for the node: 1 while cordoned or drained, 0 once uncordoned."""
+    if action not in ACTIONS:
+        raise ShardstackError(f"unknown action {action!r}", hint=f"one of {', '.join(ACTIONS)}")
+    return ("# HELP shardstack_node_cordoned 1 while the node is cordoned or drained (shardstack node), else 0.\n"
+            "# TYPE shardstack_node_cordoned gauge\n"
+            f"shardstack_node_cordoned {0 if action == 'uncordon' else 1}\n")
+
+
+def metric_argv(action: str, textfile_dir: str) -> list[str]:
+    """Write the textfile on the node atomically (a temporary name node_exporter ignores, then a rename)."""
+    final = f"{textfile_dir.rstrip('/')}/{METRIC_FILE}"
+    tmp = f"{textfile_dir.rstrip('/')}/.{METRIC_FILE}.tmp"
+    script = (f"umask 022 && printf '%s' {shlex.quote(metric_text(action))} > {shlex.quote(tmp)} && "
+              f"mv -f {shlex.quote(tmp)} {shlex.quote(final)}")
+    return ["sh", "-c", script]
+
+
+@dataclass
+class Outcome:
+    node: str
+    action: str
+    roles: list[str]
+    load_balancers: list[str] = field(default_factory=list)  # where the HAProxy server state was set
+    metric_written: bool = False  # shardstack_node_cordoned on the node (node_exporter's textfile)
+    notes: list[str] = field(default_factory=list)
+    state_file: str = ""
+
+
+def apply(node: str, action: str, inventory: Path, groups: dict[str, list[str]], *,
+          backend: str = "inference", socket: str = "/run/haproxy/admin.sock",
+          textfile_dir: str = TEXTFILE_DIR) -> Outcome:
+    """Cordon, drain or uncordon one node; the state file changes only after HAProxy accepted the change."""
+    if action not in ACTIONS:
+        raise ShardstackError(f"unknown action {action!r}", hint=f"one of {', '.join(ACTIONS)}")
+    roles = roles_of(node, groups)
+    state = load(inventory)
+    outcome = Outcome(node, action, roles)
+    if "inference" in roles:
+        lbs = groups.get("loadbalancer", [])
+        if not lbs:
+            outcome.notes.append("no loadbalancer hosts in the inventory: nothing to drain in HAProxy")
+        else:
+            command = haproxy_command(backend, node, action)
+            answers = run_command(socket_argv(command, socket), inventory, ",".join(lbs), timeout=60)
+            check_haproxy_answers(answers, lbs, command)
+            outcome.load_balancers = lbs
+    if "train" in roles:
+        if action == "uncordon":
+            outcome.notes.append("train node: new jobs may use it again")
+        else:
+            outcome.notes.append("train node: left out of jobs submitted from now on")
+        if action == "drain":
+            outcome.notes.append(NO_CLEAN_STOP)
+    written = run_command(metric_argv(action, textfile_dir), inventory, node, timeout=60).get(node)
+    outcome.metric_written = bool(written and written.success)
+    if not outcome.metric_written:
+        why = (written.message or written.stderr or f"rc={written.rc}").strip() if written else "no answer"
+        outcome.notes.append(f"shardstack_node_cordoned not written on {node} ({why}): Grafana's cordoned panel "
+                             f"will not show this change until `shardstack node {action} {node}` runs again")
+    if action == "uncordon":
+        state.pop(node, None)
+    else:
+        state[node] = {"action": action, "roles": roles, "since": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}
+    outcome.state_file = str(save(inventory, state))
+    return outcome

@@ -1,0 +1,154 @@
+"""One view of the cluster (`shardstack status`, docs/operations.md "Status"): nodes from the inventory with
+Prometheus' `up` and the cordon state, failed systemd units (node_exporter's systemd collector), the training job's
+metrics, the inference backends from HAProxy's Prometheus endpoint (its metrics listener, plain HTTP, which the
+firewall opens to the monitoring server and the admin networks; the stats page wants TLS and a password), and the
+alerts firing. A source that does not answer is
+named in `notes`; the rest is still shown."""
+
+from __future__ import annotations
+
+import json
+import re
+import urllib.error
+import urllib.parse
+import urllib.request
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+from shardstack.errors import ShardstackError
+from shardstack.ops import cluster
+
+NODE_GROUPS = ("train_nodes", "inference_nodes", "loadbalancer", "monitoring_server", "storage_server")
+TRAIN_METRICS = {"step": "shardstack_train_step", "loss": "shardstack_train_loss",
+                 "tokens_per_second": "shardstack_train_tokens_per_second",
+                 "last_step_timestamp": "shardstack_train_last_step_timestamp_seconds"}
+
+
+@dataclass
+class Status:
+    nodes: list[dict[str, Any]] = field(default_factory=list)
+    failed_units: list[dict[str, str]] | None = None  # None: node_exporter's systemd collector is not scraped
+    training: list[dict[str, Any]] = field(default_factory=list)
+    backends: list[dict[str, Any]] = field(default_factory=list)
+    alerts: list[dict[str, str]] = field(default_factory=list)
+    notes: list[str] = field(default_factory=list)
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+def sources(inv: dict[str, Any]) -> tuple[str | None, str | None]:
+    """Prometheus on the first monitoring_server and HAProxy's /metrics on the first loadbalancer, as URLs."""
+    groups = inv["groups"]
+    prometheus = haproxy = None
+    if groups.get("monitoring_server"):
+        port = cluster.setting(inv, "prometheus_port", "prometheus", "monitoring_server")
+        prometheus = f"http://{cluster.address(inv, groups['monitoring_server'][0])}:{port}"
+    if groups.get("loadbalancer"):
+        port = cluster.setting(inv, "loadbalancer_metrics_port", "loadbalancer", "loadbalancer")
+        haproxy = f"http://{cluster.address(inv, groups['loadbalancer'][0])}:{port}/metrics"
+    return prometheus, haproxy
+
+
+def _get(url: str, timeout: float) -> bytes:
+    try:
+        with urllib.request.urlopen(url, timeout=timeout) as resp:
+            return resp.read()
+    except (urllib.error.URLError, OSError) as exc:
+        raise ShardstackError(f"{url}: {getattr(exc, 'reason', exc)}") from None
+
+
+def prom_query(base: str, promql: str, timeout: float = 5.0) -> list[dict[str, Any]]:
+    """An instant query's result vector: [{"metric": {labels}, "value": [ts, "v"]}, …]."""
+    body = json.loads(_get(f"{base}/api/v1/query?{urllib.parse.urlencode({'query': promql})}", timeout))
+    if body.get("status") != "success":
+        raise ShardstackError(f"Prometheus refused {promql!r}: {body.get('error', body)}")
+    return list(body["data"]["result"])
+
+
+# One sample of HAProxy's Prometheus exporter: name{label="value",…} value
+_SAMPLE = re.compile(r'^(haproxy_server_[a-z_]+)\{([^}]*)\} (\S+)$')
+_LABEL = re.compile(r'(\w+)="((?:[^"\\]|\\.)*)"')
+
+
+def haproxy_servers(metrics_url: str, backend: str = "inference", timeout: float = 5.0) -> list[dict[str, Any]]:
+    """The backend's servers from HAProxy's Prometheus endpoint (`/metrics?scope=server`): state (UP, DOWN, DRAIN,
+    MAINT, NOLB: the `state` label whose haproxy_server_status is 1), current sessions, requests waiting in HAProxy's
+    queue for the server, sessions since HAProxy started, and the last health check's result."""
+    text = _get(f"{metrics_url}?scope=server", timeout).decode()
+    servers: dict[str, dict[str, Any]] = {}
+    for line in text.splitlines():
+        m = _SAMPLE.match(line)
+        if not m:
+            continue
+        name, labels, value = m[1], dict(_LABEL.findall(m[2])), m[3]
+        if labels.get("proxy") != backend or "server" not in labels:
+            continue
+        entry = servers.setdefault(labels["server"], {"server": labels["server"], "status": "", "sessions": 0,
+                                                      "queued": 0, "sessions_total": 0, "check": ""})
+        if name == "haproxy_server_status" and float(value) == 1:
+            entry["status"] = labels.get("state", "")
+        elif name == "haproxy_server_check_status" and float(value) == 1:
+            entry["check"] = labels.get("state", "")
+        elif name == "haproxy_server_current_sessions":
+            entry["sessions"] = int(float(value))
+        elif name == "haproxy_server_current_queue":
+            entry["queued"] = int(float(value))
+        elif name == "haproxy_server_sessions_total":
+            entry["sessions_total"] = int(float(value))
+    return [servers[k] for k in sorted(servers)]
+
+
+def collect(groups: dict[str, list[str]], cordoned: dict[str, dict[str, Any]], prometheus: str | None,
+            haproxy: str | None) -> Status:
+    status = Status()
+    hosts = sorted({h for g in NODE_GROUPS for h in groups.get(g, [])})
+    up: dict[str, bool] = {}
+    if prometheus is None:
+        status.notes.append("no monitoring_server in the inventory: no Prometheus data")
+    else:
+        try:
+            up = {r["metric"].get("node", ""): r["value"][1] == "1" for r in prom_query(prometheus, 'up{job="node"}')}
+            _prometheus_parts(prometheus, status)
+        except ShardstackError as exc:
+            status.notes.append(f"Prometheus: {exc}")
+    gpu_alerts: dict[str, list[str]] = {}
+    for alert in status.alerts:
+        if alert["name"].startswith(("GPU", "Xid")) and alert["node"]:
+            gpu_alerts.setdefault(alert["node"], []).append(alert["name"])
+    for host in hosts:
+        status.nodes.append({
+            "node": host, "groups": [g for g in NODE_GROUPS if host in groups.get(g, [])],
+            "up": up.get(host), "cordoned": cordoned.get(host, {}).get("action"),
+            "gpu_alerts": sorted(set(gpu_alerts.get(host, []))),
+        })
+    if haproxy is None:
+        status.notes.append("no loadbalancer in the inventory: no backend data")
+    else:
+        try:
+            status.backends = haproxy_servers(haproxy)
+        except ShardstackError as exc:
+            status.notes.append(f"HAProxy: {exc}")
+    return status
+
+
+def _prometheus_parts(base: str, status: Status) -> None:
+    if prom_query(base, "count(node_systemd_unit_state)"):
+        status.failed_units = sorted(
+            ({"node": r["metric"].get("node", ""), "unit": r["metric"].get("name", "")}
+             for r in prom_query(base, 'node_systemd_unit_state{state="failed"} == 1')),
+            key=lambda u: (u["node"], u["unit"]))
+    else:
+        status.notes.append("node_exporter's systemd collector is not scraped: failed units not shown")
+    by_node: dict[str, dict[str, Any]] = {}
+    for key, metric in TRAIN_METRICS.items():
+        for r in prom_query(base, metric):
+            entry = by_node.setdefault(r["metric"].get("node", r["metric"].get("instance", "")), {})
+            entry[key] = float(r["value"][1])
+    status.training = [{"node": n, **v} for n, v in sorted(by_node.items())]
+    body = json.loads(_get(f"{base}/api/v1/alerts", 5.0))
+    status.alerts = sorted(
+        ({"name": a["labels"].get("alertname", ""), "severity": a["labels"].get("severity", ""),
+          "node": a["labels"].get("node", ""), "summary": a.get("annotations", {}).get("summary", "")}
+         for a in body.get("data", {}).get("alerts", []) if a.get("state") == "firing"),
+        key=lambda a: (a["severity"] != "critical", a["name"], a["node"]))

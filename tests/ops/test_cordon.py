@@ -1,0 +1,171 @@
+"""`shardstack node cordon|drain|uncordon`: the state file beside the inventory, the HAProxy runtime-API commands,
+and train_submit.yml leaving cordoned train nodes out (ansible-playbook --list-hosts and the real assert)."""
+
+from __future__ import annotations
+
+import json
+import shlex
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from shardstack.errors import ShardstackError
+from shardstack.ops import cordon
+from shardstack.ops.runner import CommandResult
+
+REPO = Path(__file__).resolve().parents[2]
+GROUPS = {"train_nodes": ["t1", "t2", "t3"], "inference_nodes": ["i1", "both"], "loadbalancer": []}
+
+
+@pytest.fixture(autouse=True)
+def commands(monkeypatch: pytest.MonkeyPatch) -> list[tuple[list[str], str]]:
+    """The ad-hoc commands apply() would run (argv, host pattern), each answered with success and no output."""
+    sent: list[tuple[list[str], str]] = []
+
+    def fake(argv: list[str], inventory: Path, pattern: str, **kwargs: object) -> dict[str, CommandResult]:
+        sent.append((argv, pattern))
+        return {h: CommandResult(h, 0) for h in pattern.split(",")}
+
+    monkeypatch.setattr(cordon, "run_command", fake)
+    return sent
+
+
+@pytest.fixture
+def inventory(tmp_path: Path) -> Path:
+    path = tmp_path / "inventory" / "hosts.ini"
+    path.parent.mkdir()
+    path.write_text("[train_nodes]\nt1\nt2\nt3\nboth\n[inference_nodes]\ni1\nboth\n[loadbalancer]\n")
+    return path
+
+
+def test_state_lives_beside_the_inventory(inventory: Path) -> None:
+    assert cordon.state_file(inventory) == inventory.parent / "state" / "cordoned.json"
+    assert cordon.state_file(inventory.parent) == inventory.parent / "state" / "cordoned.json"
+    assert cordon.load(inventory) == {} and cordon.cordoned(inventory) == []
+
+
+def test_cordon_drain_uncordon_a_train_node(inventory: Path) -> None:
+    out = cordon.apply("t2", "cordon", inventory, GROUPS)
+    assert out.roles == ["train"] and out.load_balancers == []
+    state = json.loads(cordon.state_file(inventory).read_text())
+    assert list(state) == ["t2"] and state["t2"]["action"] == "cordon" and state["t2"]["roles"] == ["train"]
+    assert state["t2"]["since"].endswith("Z")
+
+    out = cordon.apply("t3", "drain", inventory, GROUPS)
+    assert cordon.NO_CLEAN_STOP in out.notes  # the trainer has no stop-at-checkpoint: said, not pretended
+    assert cordon.cordoned(inventory, "train") == ["t2", "t3"]
+    assert cordon.cordoned(inventory, "inference") == []
+
+    cordon.apply("t2", "uncordon", inventory, GROUPS)
+    assert cordon.cordoned(inventory) == ["t3"]
+    assert not [p for p in cordon.state_file(inventory).parent.iterdir() if p.name.startswith(".")]
+
+
+def test_inference_node_without_load_balancers_is_recorded_with_a_note(inventory: Path) -> None:
+    groups = {**GROUPS, "train_nodes": [*GROUPS["train_nodes"], "both"]}
+    out = cordon.apply("both", "cordon", inventory, groups)
+    assert out.roles == ["inference", "train"]
+    assert any("no loadbalancer hosts" in n for n in out.notes)
+    assert cordon.cordoned(inventory, "inference") == ["both"] == cordon.cordoned(inventory, "train")
+
+
+def test_errors_are_shardstack_errors_with_hints(inventory: Path) -> None:
+    with pytest.raises(ShardstackError, match="neither an inference node nor a train node") as exc:
+        cordon.apply("nope", "cordon", inventory, GROUPS)
+    assert exc.value.hint and "t1" in exc.value.hint
+    with pytest.raises(ShardstackError, match="unknown action"):
+        cordon.apply("t1", "evict", inventory, GROUPS)
+    cordon.state_file(inventory).parent.mkdir()
+    cordon.state_file(inventory).write_text("{not json")
+    with pytest.raises(ShardstackError, match="cannot read the cordon state") as exc:
+        cordon.cordoned(inventory)
+    assert exc.value.hint
+    cordon.state_file(inventory).write_text('["t1"]')
+    with pytest.raises(ShardstackError, match="not a mapping"):
+        cordon.load(inventory)
+
+
+def test_the_node_carries_a_cordoned_metric(inventory: Path, commands: list, tmp_path: Path) -> None:
+    """cordon/drain write shardstack_node_cordoned 1 into node_exporter's textfile directory on the node, uncordon 0;
+    the script really produces the file (run here with sh) and node_exporter's format parses."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    out = cordon.apply("t1", "cordon", inventory, GROUPS, textfile_dir=str(tmp_path / "textfile"))
+    assert out.metric_written and commands[-1][1] == "t1"
+    (tmp_path / "textfile").mkdir()
+    for action, value in (("drain", 1.0), ("uncordon", 0.0), ("cordon", 1.0)):
+        argv = cordon.metric_argv(action, str(tmp_path / "textfile"))
+        subprocess.run(argv, check=True)
+        files = sorted(p.name for p in (tmp_path / "textfile").iterdir())
+        assert files == [cordon.METRIC_FILE]  # no temporary file left behind
+        text = (tmp_path / "textfile" / cordon.METRIC_FILE).read_text()
+        [family] = text_string_to_metric_families(text)
+        assert family.name == "shardstack_node_cordoned" and family.type == "gauge"
+        assert [s.value for s in family.samples] == [value]
+
+
+def test_an_unreachable_node_is_still_cordoned_with_a_note(inventory: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    def unreachable(argv: list[str], inventory: Path, pattern: str, **kwargs: object) -> dict[str, CommandResult]:
+        return {pattern: CommandResult(pattern, 4, unreachable=True, message="ssh: connect timed out")}
+
+    monkeypatch.setattr(cordon, "run_command", unreachable)
+    out = cordon.apply("t1", "cordon", inventory, GROUPS)
+    assert not out.metric_written and cordon.cordoned(inventory) == ["t1"]
+    assert any("shardstack_node_cordoned not written on t1 (ssh: connect timed out)" in n for n in out.notes)
+
+
+def test_haproxy_commands() -> None:
+    assert cordon.haproxy_command("inference", "n2", "cordon") == "set server inference/n2 state drain"
+    assert cordon.haproxy_command("inference", "n2", "drain") == "set server inference/n2 state drain"
+    assert cordon.haproxy_command("inference", "n2", "uncordon") == "set server inference/n2 state ready"
+    for name in ("n2; shutdown sessions", "n2\nshow stat", ""):
+        with pytest.raises(ShardstackError, match="not a HAProxy name"):
+            cordon.haproxy_command("inference", name, "cordon")
+    argv = cordon.socket_argv("set server inference/n2 state drain", "/run/haproxy/admin.sock")
+    assert argv[:2] == ["sh", "-c"]
+    assert shlex.split(argv[2]) == ["printf", "%s\\n", "set server inference/n2 state drain", "|", "socat", "stdio",
+                                    "/run/haproxy/admin.sock"]
+    # The shell part really prints the one line socat would send.
+    printed = subprocess.run(["sh", "-c", argv[2].split(" | ")[0]], capture_output=True, text=True, check=True)
+    assert printed.stdout == "set server inference/n2 state drain\n"
+
+
+def test_haproxy_answers() -> None:
+    cmd = "set server inference/n2 state drain"
+    cordon.check_haproxy_answers({"lb": CommandResult("lb", 0, "\n")}, ["lb"], cmd)
+    cases = [({"lb": CommandResult("lb", 0, "No such server.\n")}, "No such server"),
+             ({"lb": CommandResult("lb", -1, unreachable=True, message="ssh: timeout")}, "ssh: timeout"),
+             ({}, "no answer")]
+    for answers, text in cases:
+        with pytest.raises(ShardstackError, match=text):
+            cordon.check_haproxy_answers(answers, ["lb"], cmd)
+
+
+def _playbook(inventory: Path, extra: dict, *more: str) -> subprocess.CompletedProcess[str]:
+    extra = {"train_job_name": "j", "train_job_config": {}, **extra}
+    argv = [str(Path(sys.executable).parent / "ansible-playbook"), "-i", str(inventory),
+            str(REPO / "playbooks" / "train_submit.yml"), "-e", json.dumps(extra), *more]
+    return subprocess.run(argv, capture_output=True, text=True, timeout=120, cwd=REPO, check=False)
+
+
+@pytest.mark.parametrize(("extra", "hosts"), [
+    ({}, "t1,t2,t3,both"),
+    ({"train_job_nodes": 2}, "t1,t2"),
+    ({"train_job_exclude": ["t1"], "train_job_nodes": 2}, "t2,t3"),
+    ({"train_job_exclude": ["t2", "both"]}, "t1,t3"),
+])
+def test_train_submit_leaves_cordoned_nodes_out(inventory: Path, extra: dict, hosts: str) -> None:
+    proc = _playbook(inventory, extra, "--list-hosts")
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert f"pattern: ['{hosts}']" in proc.stdout
+
+
+def test_train_submit_refuses_when_too_few_nodes_remain(inventory: Path) -> None:
+    # Only the first play (localhost, named in the inventory so --limit can pick it) runs: nothing is deployed.
+    inventory.write_text(inventory.read_text() + "[controller]\nlocalhost ansible_connection=local\n")
+    proc = _playbook(inventory, {"train_job_exclude": ["t1", "t2"], "train_job_nodes": 3}, "--limit", "localhost")
+    assert proc.returncode != 0
+    assert "2 train node(s) usable (t1, t2 cordoned), 3 needed" in proc.stdout
+    proc = _playbook(inventory, {"train_job_exclude": ["t1"], "train_job_nodes": 3}, "--limit", "localhost")
+    assert proc.returncode == 0, proc.stdout + proc.stderr
