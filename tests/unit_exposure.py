@@ -102,6 +102,9 @@ CASES = [
          template="shardstack-log-metrics.service.j2"),
     Case("log store vacuum", "shardstack-log-vacuum.service", 3.0, "journal",
          template="shardstack-log-vacuum.service.j2"),
+    Case("log forwarder", "shardstack-log-forward.service", 3.0, "journal",
+         template="shardstack-log-forward.service.j2",
+         variables={"journal_forward_url": "https://es.example:9200"}),
     Case("artifacts prune", "shardstack-artifacts-prune.service", 3.0, "shared_storage",
          template="shardstack-artifacts-prune.service.j2"),
 ]
