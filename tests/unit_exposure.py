@@ -102,6 +102,8 @@ CASES = [
          template="shardstack-log-metrics.service.j2"),
     Case("log store vacuum", "shardstack-log-vacuum.service", 3.0, "journal",
          template="shardstack-log-vacuum.service.j2"),
+    Case("journal gate", "shardstack-journal-gate.service", 3.0, "journal",
+         template="shardstack-journal-gate.service.j2"),
     Case("log forwarder", "shardstack-log-forward.service", 3.0, "journal",
          template="shardstack-log-forward.service.j2",
          variables={"journal_forward_url": "https://es.example:9200"}),

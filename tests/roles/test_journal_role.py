@@ -3,11 +3,16 @@ socket, service and timers (systemd-journal-remote and the retention of its stor
 
 from __future__ import annotations
 
+import os
 import re
 import shutil
 import subprocess
 from pathlib import Path
 from typing import Any
+
+from ansible_vars import load_module
+
+REPO = Path(__file__).resolve().parents[2]
 
 
 def _lines(text: str) -> list[str]:
@@ -56,7 +61,6 @@ def test_nodes_upload_over_mutual_tls_to_the_first_monitoring_server(role_eval: 
     assert "StartLimitIntervalSec=0" in unit and "Restart=always" in unit
     # The key is root-only on disk; the dynamic user of journal-upload gets it as a credential.
     assert "LoadCredential=journal-upload.key:/etc/shardstack/journal-tls/upload.key" in unit
-    assert (r["__journal_tls_key_group"], r["__journal_tls_key_mode"]) == ("root", "0600")
     # A client certificate under the node's own name (journal-remote files its entries under it), from the cluster
     # CA in the same store as the loadbalancer's.
     assert (r["__journal_tls_usage"], r["__journal_tls_names"]) == ("client", ["n2"])
@@ -96,27 +100,43 @@ def _collector(role_eval: Any, facts: dict, **kw: Any) -> Any:
     return role_eval("journal", facts, groups=groups, hostvars=hostvars, inventory_hostname="mon", **kw)
 
 
-def test_collector_listens_on_the_internal_address_over_mutual_tls(role_eval: Any, debian_container: dict) -> None:
+def test_collector_gate_takes_mutual_tls_and_journal_remote_stays_on_loopback(
+        role_eval: Any, debian_container: dict, tmp_path: Path) -> None:
     r = _collector(role_eval, debian_container, journal_collector_tls_names=["logs.example"])
+    # Debian 12's journal-remote cannot check client certificates: it listens on loopback, in HTTP, behind the gate.
     assert _lines(r.render("journal-remote.socket.conf.j2")) == [
-        "[Socket]", "ListenStream=", "ListenStream=10.0.0.1:19532", "FreeBind=yes"]
+        "[Socket]", "ListenStream=", "ListenStream=127.0.0.1:19533", "FreeBind=yes"]
     service = _lines(r.render("journal-remote.service.conf.j2"))
-    assert service[-1] == ("ExecStart=/lib/systemd/systemd-journal-remote --listen-https=-3 --split-mode=host "
+    assert service[-1] == ("ExecStart=/lib/systemd/systemd-journal-remote --listen-http=-3 --split-mode=host "
                            "--output=/var/log/journal/remote/")
-    assert _lines(r.render("journal-remote.conf.j2")) == [
-        "[Remote]", "ServerKeyFile=/etc/shardstack/journal-tls/remote.key",
-        "ServerCertificateFile=/etc/shardstack/journal-tls/remote.crt",
-        "TrustedCertificateFile=/etc/shardstack/journal-tls/ca.crt"]
-    # A server certificate for every name nodes upload to; its key readable by journal-remote's group only.
+    gate = r.render("journal-gate.cfg.j2")
+    assert ('    bind 10.0.0.1:19532 ssl crt "${CREDENTIALS_DIRECTORY}/remote.pem" '
+            "ca-file /etc/shardstack/journal-tls/ca.crt verify required") in gate.splitlines()
+    assert "    use_backend node_n2 if { ssl_c_s_dn(CN) -m str n2 }" in gate.splitlines()
+    assert "    server journal-remote 127.0.0.1:19533 source 127.77.0.3" in gate.splitlines()
+    assert "    default_backend refused" in gate.splitlines()
+    # A server certificate for every name nodes upload to.
     assert (r["__journal_tls_usage"], r["__journal_tls_names"]) == ("server", ["mon", "10.0.0.1", "logs.example"])
-    assert (r["__journal_tls_key_group"], r["__journal_tls_key_mode"]) == ("systemd-journal-remote", "0640")
-    # Sources journal-remote names files after (address, or certificate subject) -> inventory names.
+    # Sources journal-remote names files after (address, or the gate's loopback address) -> inventory names.
     assert r["__journal_source_map"] == {"10.0.0.1": "mon", "10.0.0.2": "n2", "mon": "mon", "n2": "n2",
-                                         "CN=mon": "mon", "CN=n2": "n2"}
+                                         "127.77.0.2": "mon", "127.77.0.3": "n2"}
+    # HAProxy itself accepts the configuration (with a certificate where the credential will be).
+    cc = load_module(REPO / "roles/shardstack_common/library/cluster_certificate.py")
+    files = [tmp_path / n for n in ("ca.crt", "ca.key", "remote.crt", "remote.key")]
+    p = cc.plan(*files, ["mon", "10.0.0.1"], renew_days=30)
+    cc.apply(p, *files, ["mon", "10.0.0.1"], ca_common_name="test CA", valid_days=30)
+    (tmp_path / "remote.pem").write_text(files[2].read_text() + files[3].read_text())
+    conf = tmp_path / "gate.cfg"
+    conf.write_text(gate.replace("/etc/shardstack/journal-tls/ca.crt", str(files[0])))
+    check = subprocess.run(["haproxy", "-c", "-f", str(conf)], capture_output=True, text=True,
+                           env={**os.environ, "CREDENTIALS_DIRECTORY": str(tmp_path)})
+    assert check.returncode == 0, check.stdout + check.stderr
 
 
 def test_collector_on_a_named_host_listens_everywhere(role_eval: Any, debian_container: dict) -> None:
     r = _collector(role_eval, debian_container, ansible_host="mon.example")
+    assert "    bind :19532 ssl" in r.render("journal-gate.cfg.j2")
+    r = _collector(role_eval, debian_container, ansible_host="mon.example", journal_transport="http")
     assert "ListenStream=19532" in _lines(r.render("journal-remote.socket.conf.j2"))
 
 
@@ -184,9 +204,7 @@ def test_forwarder_to_loki_is_valid_rsyslog(role_eval: Any, debian_container: di
 
 
 def _loki_sender() -> Any:
-    from ansible_vars import load_module
-
-    return load_module(Path(__file__).resolve().parents[2] / "roles/journal/files/loki-push.py")
+    return load_module(REPO / "roles/journal/files/loki-push.py")
 
 
 def test_loki_sender_confirms_a_batch_only_once_loki_took_it(tmp_path: Path) -> None:
