@@ -14,7 +14,8 @@ DEBIAN_UNITS := $(SHARDSTACK_CACHE)/debian-units
 UNIT_PACKAGES := prometheus-node-exporter prometheus prometheus-alertmanager haproxy
 
 APT_PACKAGES := python3-venv python3-dev debootstrap systemd-container apt-cacher-ng iproute2 openssh-client nftables \
-                util-linux prometheus prometheus-alertmanager haproxy git systemd-journal-remote
+                util-linux prometheus prometheus-alertmanager haproxy git systemd-journal-remote \
+                rsyslog rsyslog-elasticsearch
 EXTRAS := train,serve,ops,dev
 STAMP := $(VENV)/.installed-$(shell cat pyproject.toml | sha1sum | cut -c1-12)
 

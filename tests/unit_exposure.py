@@ -104,6 +104,11 @@ CASES = [
          template="shardstack-log-vacuum.service.j2"),
     Case("GPU health patrol", "shardstack-gpu-health.service", 2.5, "dcgm_exporter",
          template="shardstack-gpu-health.service.j2"),
+    Case("journal gate", "shardstack-journal-gate.service", 3.0, "journal",
+         template="shardstack-journal-gate.service.j2"),
+    Case("log forwarder", "shardstack-log-forward.service", 3.0, "journal",
+         template="shardstack-log-forward.service.j2",
+         variables={"journal_forward_url": "https://es.example:9200"}),
     Case("artifacts prune", "shardstack-artifacts-prune.service", 3.0, "shared_storage",
          template="shardstack-artifacts-prune.service.j2"),
 ]

@@ -32,8 +32,8 @@ def role_value(role: str, expression: str, **variables: Any) -> Any:
 
 
 def certificate_module() -> ModuleType:
-    """roles/loadbalancer/library/cluster_certificate.py, imported as the module Ansible runs."""
-    return load_module(ROLES / "loadbalancer" / "library" / "cluster_certificate.py")
+    """roles/shardstack_common/library/cluster_certificate.py, imported as the module Ansible runs."""
+    return load_module(ROLES / "shardstack_common" / "library" / "cluster_certificate.py")
 
 
 def store_files(store: Path, host: str) -> dict[str, Path]:

@@ -1,6 +1,7 @@
-"""The loadbalancer role's cluster_certificate module: a CA once, a server certificate the real `openssl verify`
-accepts for the load balancer's names, nothing re-issued on a re-run, re-issued when the names change, the expiry
-nears or the CA changed, keys owner-only, check mode that writes nothing, and results without key material."""
+"""shardstack_common's cluster_certificate module (the loadbalancer's and the journal's): a CA once, a server
+certificate the real `openssl verify` accepts for the load balancer's names, client certificates for the journal,
+nothing re-issued on a re-run, re-issued when the names or the usage change, the expiry nears or the CA changed,
+keys owner-only, check mode that writes nothing, and results without key material."""
 
 from __future__ import annotations
 
@@ -79,7 +80,7 @@ def _module(files: dict[str, Path], *flags: str) -> dict:
     args = json.dumps({**{k: str(v) for k, v in files.items()}, "names": NAMES})
     proc = subprocess.run(
         [str(Path(sys.executable).parent / "ansible"), "localhost", "-i", "localhost,", "-c", "local", "-o",
-         "-M", str(ROLES / "loadbalancer" / "library"), "-m", "cluster_certificate", "-a", args,
+         "-M", str(ROLES / "shardstack_common" / "library"), "-m", "cluster_certificate", "-a", args,
          "-e", f"ansible_python_interpreter={sys.executable}", *flags],
         capture_output=True, text=True, env={**os.environ, "ANSIBLE_CONFIG": str(ROLES.parent / "ansible.cfg")})
     assert proc.returncode == 0, proc.stdout + proc.stderr
@@ -97,3 +98,17 @@ def test_under_ansible_check_mode_writes_nothing_and_results_hold_no_key(tmp_pat
     secrets = [files["ca_key"].read_text(), files["key"].read_text()]
     body_lines = [line for s in secrets for line in s.splitlines() if "-----" not in line]
     assert body_lines and not any(line in json.dumps([dry, real, again]) for line in body_lines)
+
+
+def test_client_certificates_for_the_journal_and_a_changed_usage_reissues(tmp_path: Path) -> None:
+    files = store_files(tmp_path / "credentials", "node2")
+    p = cc.plan(*files.values(), ["node2"], renew_days=30, usage="client")
+    assert p.reasons[-1] == f"new client certificate for node2: {files['cert']}"
+    cc.apply(p, *files.values(), ["node2"], ca_common_name="test cluster CA", valid_days=90, usage="client")
+    client = subprocess.run(["openssl", "verify", "-purpose", "sslclient", "-CAfile", str(files["ca_cert"]),
+                             str(files["cert"])], capture_output=True, text=True)
+    assert client.returncode == 0, client.stdout + client.stderr
+    assert openssl_verify(files).returncode != 0  # not a server certificate
+    assert cc.plan(*files.values(), ["node2"], renew_days=30, usage="client").reasons == []
+    assert cc.plan(*files.values(), ["node2"], renew_days=30, usage="server").reasons == [
+        f"re-issue {files['cert']}: not a server certificate"]

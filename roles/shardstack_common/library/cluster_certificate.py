@@ -1,11 +1,15 @@
 #!/usr/bin/python
-"""The cluster CA and one server certificate issued by it, kept as files on the controller.
+"""The cluster CA and one server or client certificate issued by it, kept as files on the controller.
+
+Shared by the roles that speak TLS inside the cluster (the loadbalancer's HTTPS edge, the journal's mutual TLS
+between systemd-journal-upload and systemd-journal-remote): they list shardstack_common under `dependencies`, which
+puts this library/ on their module path.
 
 Python's `cryptography` (a dependency of ansible-core, so present wherever Ansible runs) builds and signs the
-certificates; this module only decides *when*: the CA once, the server key once, the server certificate whenever
-it is missing, names other hosts than it should, expires within `renew_days`, or was not signed by the current CA.
-So a re-run changes nothing, a new load-balancer name re-issues, and check mode says what would happen and writes
-nothing. Results hold paths and reasons, never key material.
+certificates; this module only decides *when*: the CA once, the host's key once, its certificate whenever it is
+missing, names other hosts than it should, is for another use (server/client), expires within `renew_days`, or was
+not signed by the current CA. So a re-run changes nothing, a new load-balancer name re-issues, and check mode says
+what would happen and writes nothing. Results hold paths and reasons, never key material.
 """
 
 from __future__ import annotations
@@ -19,11 +23,12 @@ from pathlib import Path
 
 DOCUMENTATION = r"""
 module: cluster_certificate
-short_description: A cluster CA and a server certificate it signs, as files on the controller
+short_description: A cluster CA and a server or client certificate it signs, as files on the controller
 description:
   - Creates the CA (key and self-signed certificate) when neither file exists, and the server key when it is
     missing; (re-)issues the server certificate when it is missing, its subject alternative names differ from
-    O(names), it expires within O(renew_days) days, or the CA did not sign it. Supports check mode.
+    O(names), its extended key usage is not O(usage), it expires within O(renew_days) days, or the CA did not sign
+    it. Supports check mode.
 options:
   ca_cert: {description: CA certificate (PEM)., type: path, required: true}
   ca_key: {description: CA private key (PEM, 0600)., type: path, required: true}
@@ -31,6 +36,8 @@ options:
   key: {description: Server private key (PEM, 0600)., type: path, required: true}
   names: {description: DNS names and IP addresses the certificate is valid for; the first is its subject., type: list,
           elements: str, required: true}
+  usage: {description: "What the certificate is for: TLS server, TLS client, or both (extended key usage).",
+          type: str, choices: [server, client, both], default: server}
   ca_common_name: {description: The CA's subject., type: str, default: shardstack cluster CA}
   valid_days: {description: Server certificate lifetime., type: int, default: 397}
   renew_days: {description: Re-issue when fewer days are left., type: int, default: 30}
@@ -43,6 +50,7 @@ not_after: {description: Expiry of the server certificate (ISO 8601), when there
 
 CA_DAYS = 3650
 DAY = datetime.timedelta(days=1)
+USAGES = ("server", "client", "both")
 
 
 @dataclass
@@ -54,7 +62,7 @@ class Plan:
 
 
 def _now() -> datetime.datetime:
-    return datetime.datetime.now(datetime.timezone.utc)
+    return datetime.datetime.now(datetime.UTC)
 
 
 def canonical(name: str) -> str:
@@ -87,6 +95,22 @@ def _san_set(cert) -> set[str]:
     return {str(n.value) for n in san}
 
 
+def _usage_oids(usage: str) -> set:
+    from cryptography.x509.oid import ExtendedKeyUsageOID
+
+    return {"server": {ExtendedKeyUsageOID.SERVER_AUTH}, "client": {ExtendedKeyUsageOID.CLIENT_AUTH},
+            "both": {ExtendedKeyUsageOID.SERVER_AUTH, ExtendedKeyUsageOID.CLIENT_AUTH}}[usage]
+
+
+def _eku_set(cert) -> set:
+    from cryptography import x509
+
+    try:
+        return set(cert.extensions.get_extension_for_class(x509.ExtendedKeyUsage).value)
+    except x509.ExtensionNotFound:
+        return set()
+
+
 def _load_cert(path: Path):
     from cryptography import x509
 
@@ -99,7 +123,8 @@ def _load_key(path: Path):
     return serialization.load_pem_private_key(path.read_bytes(), password=None)
 
 
-def plan(ca_cert: Path, ca_key: Path, cert: Path, key: Path, names: list[str], *, renew_days: int) -> Plan:
+def plan(ca_cert: Path, ca_key: Path, cert: Path, key: Path, names: list[str], *, renew_days: int,
+         usage: str = "server") -> Plan:
     """What has to be created or re-issued, with a reason each."""
     from cryptography.exceptions import InvalidSignature
     from cryptography.hazmat.primitives import serialization
@@ -114,15 +139,17 @@ def plan(ca_cert: Path, ca_key: Path, cert: Path, key: Path, names: list[str], *
         p.reasons.append(f"new cluster CA: {ca_cert}")
     if not key.exists():
         p.new_key = True
-        p.reasons.append(f"new server key: {key}")
+        p.reasons.append(f"new {_role(usage)} key: {key}")
     if p.new_ca or p.new_key or not cert.exists():
         p.issue = True
-        p.reasons.append(f"new server certificate for {', '.join(names)}: {cert}")
+        p.reasons.append(f"new {_role(usage)} certificate for {', '.join(names)}: {cert}")
         return p
     current, issuer = _load_cert(cert), _load_cert(ca_cert)
     pub = serialization.PublicFormat.SubjectPublicKeyInfo
     if _san_set(current) != set(names):
         p.reasons.append(f"re-issue {cert}: names {sorted(_san_set(current))} -> {sorted(set(names))}")
+    elif _eku_set(current) != _usage_oids(usage):
+        p.reasons.append(f"re-issue {cert}: not a {_role(usage)} certificate")
     elif current.not_valid_after_utc - _now() < renew_days * DAY:
         p.reasons.append(f"re-issue {cert}: expires {current.not_valid_after_utc.isoformat()}")
     elif current.public_key().public_bytes(serialization.Encoding.PEM, pub) != \
@@ -135,6 +162,10 @@ def plan(ca_cert: Path, ca_key: Path, cert: Path, key: Path, names: list[str], *
             p.reasons.append(f"re-issue {cert}: not signed by the CA in {ca_cert}")
     p.issue = bool(p.reasons)
     return p
+
+
+def _role(usage: str) -> str:
+    return {"server": "server", "client": "client", "both": "server and client"}[usage]
 
 
 def _write(path: Path, data: bytes, mode: int) -> None:
@@ -165,10 +196,10 @@ def _key_pem(k) -> bytes:
 
 
 def apply(p: Plan, ca_cert: Path, ca_key: Path, cert: Path, key: Path, names: list[str], *,
-          ca_common_name: str, valid_days: int) -> None:
+          ca_common_name: str, valid_days: int, usage: str = "server") -> None:
     from cryptography import x509
     from cryptography.hazmat.primitives import hashes, serialization
-    from cryptography.x509.oid import ExtendedKeyUsageOID, NameOID
+    from cryptography.x509.oid import NameOID
 
     now = _now()
     if p.new_ca:
@@ -200,7 +231,8 @@ def apply(p: Plan, ca_cert: Path, ca_key: Path, cert: Path, key: Path, names: li
               .add_extension(x509.KeyUsage(digital_signature=True, content_commitment=False, key_encipherment=False,
                                            data_encipherment=False, key_agreement=False, key_cert_sign=False,
                                            crl_sign=False, encipher_only=False, decipher_only=False), critical=True)
-              .add_extension(x509.ExtendedKeyUsage([ExtendedKeyUsageOID.SERVER_AUTH]), critical=False)
+              .add_extension(x509.ExtendedKeyUsage(sorted(_usage_oids(usage), key=lambda o: o.dotted_string)),
+                             critical=False)
               .add_extension(x509.SubjectKeyIdentifier.from_public_key(server_key.public_key()), critical=False)
               .add_extension(x509.AuthorityKeyIdentifier.from_issuer_public_key(issuer.public_key()), critical=False)
               .sign(issuer_key, hashes.SHA256()))
@@ -217,6 +249,7 @@ def main() -> None:
             "cert": {"type": "path", "required": True},
             "key": {"type": "path", "required": True, "no_log": False},
             "names": {"type": "list", "elements": "str", "required": True},
+            "usage": {"type": "str", "choices": list(USAGES), "default": "server"},
             "ca_common_name": {"type": "str", "default": "shardstack cluster CA"},
             "valid_days": {"type": "int", "default": 397},
             "renew_days": {"type": "int", "default": 30},
@@ -229,9 +262,9 @@ def main() -> None:
     if not names:
         module.fail_json(msg="names: at least one DNS name or IP address is needed")
     try:
-        p = plan(*paths, names, renew_days=a["renew_days"])
+        p = plan(*paths, names, renew_days=a["renew_days"], usage=a["usage"])
         if p.reasons and not module.check_mode:
-            apply(p, *paths, names, ca_common_name=a["ca_common_name"], valid_days=a["valid_days"])
+            apply(p, *paths, names, ca_common_name=a["ca_common_name"], valid_days=a["valid_days"], usage=a["usage"])
     except (ValueError, OSError) as exc:
         module.fail_json(msg=str(exc))
     not_after = _load_cert(paths[2]).not_valid_after_utc.isoformat() if paths[2].exists() else None
