@@ -92,6 +92,18 @@ def test_the_collector_does_not_upload_to_itself(role_eval: Any, debian_containe
     assert (r["__journal_upload_active"], r["__journal_is_collector"]) == (False, False)
 
 
+def test_every_host_gets_its_own_gate_source_beyond_one_block(role_eval: Any, debian_container: dict) -> None:
+    hosts = ["mon"] + [f"n{i:03d}" for i in range(600)]
+    groups = {"all": hosts, "monitoring_server": ["mon"]}
+    hostvars = {h: {"ansible_host": f"10.0.{i // 250}.{i % 250 + 1}"} for i, h in enumerate(hosts)}
+    r = role_eval("journal", debian_container, groups=groups, hostvars=hostvars, inventory_hostname="mon",
+                  ansible_host="10.0.0.1", inventory_dir="/srv/inventory")
+    sources = r["__journal_gate_sources"]
+    assert len(set(sources.values())) == len(hosts) == len(sources)
+    assert (sources["mon"], sources["n248"], sources["n249"], sources["n599"]) == (
+        "127.77.0.2", "127.77.0.251", "127.77.1.2", "127.77.2.102")
+
+
 def _collector(role_eval: Any, facts: dict, **kw: Any) -> Any:
     groups = {"all": ["mon", "n2"], "monitoring_server": ["mon"]}
     hostvars = {"mon": {"ansible_host": "10.0.0.1"}, "n2": {"ansible_host": "10.0.0.2"}}
