@@ -5,7 +5,9 @@ systemd unit, one worker killed mid-run and the job resuming from its last check
 export, the inference tier serving the trained model through HAProxy over HTTPS (verified against the cluster CA);
 validate with no finding; one backend stopped under steady load and a rolling upgrade to another checkpoint under
 load, each with zero failed client requests and every backend's /info reporting the new step; a hung engine killed
-by systemd's watchdog and serving again; the firewall dropping what its port plan does not name; and, after all of
+by systemd's watchdog and serving again; an inference node cordoned under load (no failed request) and
+`status --json` against the lab; a train node drained under a 2-node job (the job stops at a checkpoint, the
+resubmit resumes without the node); the firewall dropping what its port plan does not name; and, after all of
 it, no secret in any ansible-runner artifact or molecule file.
 
 Takes ~7–9 min on the idle 2-core host (site.yml's first run, mostly torch going into two venvs, ~3 min; its
@@ -19,6 +21,7 @@ import dataclasses
 import hashlib
 import json
 import os
+import re
 import statistics
 import subprocess
 import sys
@@ -378,6 +381,58 @@ def test_status_json_matches_the_lab(lab3: Cluster) -> None:
     # The systemd collector is on by default, so failed units are a list (whatever a lab container has failed).
     assert isinstance(st["failed_units"], list)
     assert not [u for u in st["failed_units"] if u["unit"].startswith("shardstack-")], st["failed_units"]
+
+
+def test_drain_stops_a_job_at_a_checkpoint_and_the_resubmit_runs_without_the_node(lab3: Cluster) -> None:
+    """Draining a train node under a 2-node job stops the job on both nodes at one checkpoint (exit 0, no restart);
+    while the node is cordoned a 2-node submit is refused and a 1-node one resumes from that checkpoint without it;
+    uncordon restores."""
+    from shardstack.ops import cordon
+
+    inv = lab3.inv
+    head, victim = inv["groups"]["train_nodes"][:2]
+    name = "e2e-drain"
+    job = demo_job(2000, cluster.shared_dir(inv), name)  # far more steps than it runs: the stop comes from drain
+    job["schedule"]["warmup_steps"] = 1
+    job["checkpoint"]["interval"] = 1000
+    job["metrics"]["log_every"] = 1
+    try:
+        sub = train.submit(job, name, lab3.inventory, nodes=2)
+        assert sub.success, {h: (r.failed_task, r.message) for h, r in sub.hosts.items()}
+        deadline = time.monotonic() + 600
+        while not ((st := train.status(name, lab3.inventory)).last_step and st.last_step["step"] >= 5):
+            assert time.monotonic() < deadline and st.state in ("running", "unknown", "finished"), st.to_dict()
+            time.sleep(2)
+        out = cordon.apply(victim, "drain", lab3.inventory, inv["groups"])
+        assert out.stopped_jobs == [name], out.notes
+        final = cluster.wait_job(name, lab3.inventory, timeout=600)
+        # Both agents ended with their workers' exit 0: finished, not failed, and systemd restarted nothing.
+        assert final.state == "finished" and all(n.restarts == 0 for n in final.nodes), final.to_dict()
+        text = "\n".join(train.logs(name, lab3.inventory, lines=400).values())
+        stopped = int(re.search(r"stopping after step (\d+) on SIGUSR1", text).group(1))
+        assert 5 <= stopped < 2000
+        manifest = f"{job['checkpoint']['dir']}/step_{stopped:08d}/manifest.json"
+        assert run_command(["test", "-s", manifest], lab3.inventory, head)[head].success, manifest
+
+        refused = train.submit(job, name, lab3.inventory, nodes=2)
+        assert not refused.success and any("cordoned" in (r.message or "") for r in refused.hosts.values()), \
+            refused.to_dict()
+        before = {n.host: n.since for n in train.status(name, lab3.inventory).nodes}
+        job["schedule"]["total_steps"] = stopped + 5
+        again = train.submit(job, name, lab3.inventory, nodes=1)
+        assert again.success, {h: (r.failed_task, r.message) for h, r in again.hosts.items()}
+        resumed = cluster.wait_job(name, lab3.inventory, timeout=600)
+        assert resumed.state == "finished" and resumed.last_step["step"] == stopped + 5, resumed.to_dict()
+        after = {n.host: n.since for n in resumed.nodes}
+        assert after[victim] == before[victim] and after[head] != before[head]  # only the head ran it again
+        head_log = train.logs(name, lab3.inventory, lines=400)[head]
+        line = next(x for x in head_log.splitlines() if f"step_{stopped:08d}" in x and "resumed from" in x)
+        assert "saved by 2 ranks" in line and "now 1 ranks" in line, line
+        print(f"\ndrain {victim} under a 2-node job: stopped at step {stopped} with a checkpoint; 2-node resubmit "
+              f"refused; 1-node resubmit on {head}: {line.strip()}")
+    finally:
+        cordon.apply(victim, "uncordon", lab3.inventory, inv["groups"])
+    assert cordon.cordoned(lab3.inventory) == []
 
 
 # Prints 'open', 'refused' or 'dropped' (no answer in 3 s) for a TCP connection to argv[1]:argv[2].

@@ -7,6 +7,7 @@ import json
 import shlex
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -53,13 +54,68 @@ def test_cordon_drain_uncordon_a_train_node(inventory: Path) -> None:
     assert state["t2"]["since"].endswith("Z")
 
     out = cordon.apply("t3", "drain", inventory, GROUPS)
-    assert cordon.NO_CLEAN_STOP in out.notes  # the trainer has no stop-at-checkpoint: said, not pretended
+    assert out.stopped_jobs == [] and "no training job was running on it" in out.notes
     assert cordon.cordoned(inventory, "train") == ["t2", "t3"]
     assert cordon.cordoned(inventory, "inference") == []
 
     cordon.apply("t2", "uncordon", inventory, GROUPS)
     assert cordon.cordoned(inventory) == ["t3"]
     assert not [p for p in cordon.state_file(inventory).parent.iterdir() if p.name.startswith(".")]
+
+
+def test_drain_stops_the_jobs_running_on_a_train_node(inventory: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """drain signals the workers of each running job on the node (SIGUSR1: stop at a checkpoint, exit 0); the
+    units it signalled name the jobs. A node that cannot be reached is drained all the same, with a note."""
+    sent: list[list[str]] = []
+
+    def answer(argv: list[str], inventory: Path, pattern: str, **kwargs: object) -> dict[str, CommandResult]:
+        sent.append(argv)
+        out = "shardstack-train@run1.service\nshardstack-train@nightly-7.service\n" if "pkill" in argv[-1] else ""
+        return {pattern: CommandResult(pattern, 0, stdout=out)}
+
+    monkeypatch.setattr(cordon, "run_command", answer)
+    out = cordon.apply("t1", "drain", inventory, GROUPS)
+    assert sent[0] == ["sh", "-c", cordon.STOP_JOBS]
+    assert out.stopped_jobs == ["run1", "nightly-7"]
+    assert sum("resumes it without this node" in n for n in out.notes) == 2
+    assert cordon.cordoned(inventory, "train") == ["t1"]
+
+    monkeypatch.setattr(cordon, "run_command", lambda argv, inv, pattern, **kw: {
+        pattern: CommandResult(pattern, 1, unreachable=True, message="ssh: connection timed out")})
+    out = cordon.apply("t2", "drain", inventory, GROUPS)
+    assert out.stopped_jobs == [] and cordon.cordoned(inventory, "train") == ["t1", "t2"]
+    assert any("not signalled (ssh: connection timed out)" in n for n in out.notes)
+
+
+def test_stop_jobs_script_signals_only_the_agents_children(tmp_path: Path) -> None:
+    """STOP_JOBS with systemctl answered by a stand-in on PATH: the agent's child gets SIGUSR1, the agent does not."""
+    child_file = tmp_path / "child.out"
+    agent = subprocess.Popen([sys.executable, "-c", (
+        "import signal, subprocess, sys, time\n"
+        "signal.signal(signal.SIGUSR1, lambda *a: sys.exit(9))\n"
+        "c = subprocess.Popen([sys.executable, '-c', 'import signal, sys, time\\n"
+        "signal.signal(signal.SIGUSR1, lambda *a: (open(sys.argv[1], \"w\").write(\"USR1\"), sys.exit(0)))\\n"
+        f"time.sleep(60)', '{child_file}'])\n"
+        "print('ready', flush=True)\nc.wait()\ntime.sleep(60)\n")], stdout=subprocess.PIPE, text=True)
+    try:
+        assert agent.stdout is not None and agent.stdout.readline().strip() == "ready"
+        fake = tmp_path / "bin" / "systemctl"
+        fake.parent.mkdir()
+        fake.write_text("#!/bin/sh\ncase \"$1\" in\n  list-units) echo 'shardstack-train@run1.service loaded active "
+                        f"running x';;\n  show) echo {agent.pid};;\nesac\n")
+        fake.chmod(0o755)
+        env = {"PATH": f"{fake.parent}:/usr/bin:/bin"}
+        res = subprocess.run(["sh", "-c", cordon.STOP_JOBS], env=env, capture_output=True, text=True, timeout=30)
+        assert res.returncode == 0 and res.stdout.split() == ["shardstack-train@run1.service"], res
+        for _ in range(100):
+            if child_file.exists() and child_file.read_text() == "USR1":
+                break
+            time.sleep(0.1)
+        assert child_file.read_text() == "USR1"
+        assert agent.poll() is None  # the agent itself was not signalled
+    finally:
+        agent.kill()
+        agent.wait()
 
 
 def test_inference_node_without_load_balancers_is_recorded_with_a_note(inventory: Path) -> None:

@@ -13,8 +13,8 @@ from shardstack.ops import cordon as cordon_ops
 
 HELP = {
     "cordon": "take a node out of service: HAProxy drains an inference backend; train jobs submitted later skip it",
-    "drain": "cordon; on a train node the running job is NOT stopped (the trainer has no clean stop at a "
-             "checkpoint): stop it with `shardstack train stop JOB`",
+    "drain": "cordon, and every training job running on a train node stops after its current step with a checkpoint "
+             "there (resubmit: it resumes without the node)",
     "uncordon": "put a node back: HAProxy sends it requests again; train jobs may use it",
 }
 

@@ -4,7 +4,8 @@ State lives on the controller beside the inventory, `<inventory dir>/state/cordo
 `{"node": {"action": "cordon"|"drain", "roles": ["inference", "train"], "since": ISO-8601}}`. An inference node
 is also taken out of the load balancers through HAProxy's runtime API (`set server <backend>/<node> state drain`:
 in-flight requests finish, no new ones arrive); a train node is left out of jobs submitted later
-(`shardstack.ops.train.submit`). Only this module reads or writes the state file.
+(`shardstack.ops.train.submit`), and `drain` stops the jobs running on it at a checkpoint (STOP_JOBS). Only this
+module reads or writes the state file.
 
 For Grafana and alerting, the node itself also carries the state: node_exporter's textfile collector reads
 `shardstack_node_cordoned 1` (0 after uncordon) from `<node_exporter_textfile_dir>/shardstack_cordon.prom`, written
@@ -34,8 +35,15 @@ HAPROXY_STATE = {"cordon": "drain", "drain": "drain", "uncordon": "ready"}
 _NAME = re.compile(r"[A-Za-z0-9_.:-]+")  # what HAProxy accepts as a backend or server name
 TEXTFILE_DIR = "/var/lib/prometheus/node-exporter"  # node_exporter_textfile_dir's default
 METRIC_FILE = "shardstack_cordon.prom"
-NO_CLEAN_STOP = ("the trainer has no stop-at-next-checkpoint mechanism: the running job keeps running on this "
-                 "node; `shardstack train stop JOB` stops it and a resubmit resumes from the last checkpoint")
+# drain on a train node: SIGUSR1 to the workers (the torchrun agent's children) of every running job there. The
+# trainer stops after the step all ranks agree on, saves a checkpoint at it and exits 0, on every node of the job
+# (shardstack.train.trainer.StopRequest); the agents then end with their workers, so systemd does not restart them.
+# Not SIGTERM to the agent: torchrun gives its workers 30 s before SIGKILL, less than a large checkpoint takes.
+# Prints the units it signalled.
+STOP_JOBS = ("for u in $(systemctl list-units --plain --no-legend --state=active 'shardstack-train@*.service' "
+             "| cut -d' ' -f1); do a=$(systemctl show -p MainPID --value \"$u\"); "
+             "[ \"${a:-0}\" -gt 0 ] && pkill -USR1 -P \"$a\" && echo \"$u\"; done; true")
+_TRAIN_UNIT = re.compile(r"shardstack-train@(.+)\.service")
 
 
 def state_file(inventory: Path) -> Path:
@@ -142,8 +150,25 @@ class Outcome:
     roles: list[str]
     load_balancers: list[str] = field(default_factory=list)  # where the HAProxy server state was set
     metric_written: bool = False  # shardstack_node_cordoned on the node (node_exporter's textfile)
+    stopped_jobs: list[str] = field(default_factory=list)  # drain: train jobs told to stop at a checkpoint
     notes: list[str] = field(default_factory=list)
     state_file: str = ""
+
+
+def _stop_jobs(node: str, inventory: Path, outcome: Outcome) -> None:
+    res = run_command(["sh", "-c", STOP_JOBS], inventory, node, timeout=60).get(node)
+    if not (res and res.success):
+        why = (res.message or res.stderr or f"rc={res.rc}").strip() if res else "no answer"
+        # Cordoned all the same (a node is often drained because it is sick): said, and how to finish the job.
+        outcome.notes.append(f"training jobs on {node} not signalled ({why}): `shardstack train stop JOB` stops a "
+                             f"job on every node, or run `shardstack node drain {node}` again")
+        return
+    outcome.stopped_jobs = [m.group(1) for line in res.stdout.split() if (m := _TRAIN_UNIT.fullmatch(line))]
+    for job in outcome.stopped_jobs:
+        outcome.notes.append(f"job {job}: stops on every node after its current step, with a checkpoint there; "
+                             f"`shardstack train submit` again resumes it without this node")
+    if not outcome.stopped_jobs:
+        outcome.notes.append("no training job was running on it")
 
 
 def apply(node: str, action: str, inventory: Path, groups: dict[str, list[str]], *,
@@ -170,7 +195,7 @@ def apply(node: str, action: str, inventory: Path, groups: dict[str, list[str]],
         else:
             outcome.notes.append("train node: left out of jobs submitted from now on")
         if action == "drain":
-            outcome.notes.append(NO_CLEAN_STOP)
+            _stop_jobs(node, inventory, outcome)
     written = run_command(metric_argv(action, textfile_dir), inventory, node, timeout=60).get(node)
     outcome.metric_written = bool(written and written.success)
     if not outcome.metric_written:
