@@ -90,6 +90,20 @@ def test_finish_saves_the_last_step_once(tmp_path: Path, key_file: Path, app: Ap
     assert _steps(tmp_path) == [2, 4, 5]
 
 
+@pytest.mark.parametrize("async_save", [False, True])
+def test_on_commit_reports_each_step_once_it_is_committed(tmp_path: Path, key_file: Path, app: AppState,
+                                                          async_save: bool) -> None:
+    """What the trainer exports as shardstack_train_last_checkpoint_step: a step only once its manifest is there."""
+    committed: list[tuple[int, bool]] = []
+    ckpt = make_checkpointer(tmp_path, key_file, interval=2, keep=0, async_save=async_save)
+    ckpt.on_commit = lambda step: committed.append((step, (tmp_path / f"step_{step:08d}" / MANIFEST).exists()))
+    for _ in range(5):
+        app.train(1)
+        ckpt.maybe_save(app.step, app)
+    ckpt.finish(app.step, app)
+    assert committed == [(2, True), (4, True), (5, True)]
+
+
 def _truncate(path: Path) -> None:
     data = path.read_bytes()
     path.write_bytes(data[: len(data) // 2])

@@ -32,6 +32,12 @@ PROMETHEUS = {
     "shardstack_train_loss": _vector(({**T, "node": "t1", "__name__": "shardstack_train_loss"}, "2.8125")),
     "shardstack_train_tokens_per_second": _vector(({**T, "node": "t1"}, "51234.5")),
     "shardstack_train_last_step_timestamp_seconds": _vector(({**T, "node": "t1"}, "1764583199")),
+    "shardstack_train_step_seconds": _vector(({**T, "node": "t1"}, "0.5")),
+    "shardstack_train_end_step": _vector(({**T, "node": "t1"}, "5000")),
+    "shardstack_train_last_checkpoint_step": _vector(({**T, "node": "t1"}, "1000")),
+    status_ops.BACKEND_METRICS["requests_per_second"]: _vector(({"node": "i1"}, "0"), ({"node": "i2"}, "12.25")),
+    # i1 is drained: no request in the window, so the quantile is NaN.
+    status_ops.BACKEND_METRICS["p99_seconds"]: _vector(({"node": "i1"}, "NaN"), ({"node": "i2"}, "0.84")),
 }
 ALERTS = {"status": "success", "data": {"alerts": [
     {"labels": {"alertname": "GPUHealthUncorrectableECC", "severity": "critical", "node": "t1", "gpu": "1"},
@@ -140,11 +146,15 @@ def test_collect_everything(server: str) -> None:
     assert nodes["t1"]["gpu_alerts"] == ["GPUHealthUncorrectableECC"]
     assert nodes["lb"]["groups"] == ["loadbalancer", "monitoring_server"]
     assert st.failed_units == [{"node": "i1", "unit": "shardstack-inference.service"}]
+    # ETA: the 3800 steps left at the last step's 0.5 s.
     assert st.training == [{"node": "t1", "step": 1200.0, "loss": 2.8125, "tokens_per_second": 51234.5,
-                            "last_step_timestamp": 1764583199.0}]
+                            "step_seconds": 0.5, "end_step": 5000.0, "last_checkpoint_step": 1000.0,
+                            "last_step_timestamp": 1764583199.0, "eta_seconds": 1900.0}]
     assert st.backends == [
-        {"server": "i1", "status": "DRAIN", "sessions": 0, "queued": 0, "sessions_total": 401, "check": "L7OK"},
-        {"server": "i2", "status": "UP", "sessions": 3, "queued": 1, "sessions_total": 411, "check": "L7OK"}]
+        {"server": "i1", "status": "DRAIN", "sessions": 0, "queued": 0, "sessions_total": 401, "check": "L7OK",
+         "requests_per_second": 0.0, "p99_seconds": None},
+        {"server": "i2", "status": "UP", "sessions": 3, "queued": 1, "sessions_total": 411, "check": "L7OK",
+         "requests_per_second": 12.25, "p99_seconds": 0.84}]
     # Firing only (pending is not), critical first.
     assert [(a["name"], a["node"]) for a in st.alerts] == [("GPUHealthUncorrectableECC", "t1"), ("Watchdog", "")]
     assert st.notes == []
@@ -173,9 +183,11 @@ def test_status_table(server: str) -> None:
     out = Console(width=200, record=True)
     out.print(status_cli.table(st))
     text = out.export_text()
-    assert "up drained" in text and "DRAIN" in text and "step 1200, loss 2.8125, 51234 tokens/s" in text
+    assert "up drained" in text and "DRAIN" in text
+    assert "step 1200/5000, loss 2.8125, 51234 tokens/s, last checkpoint 1000, ETA 31m40s" in text
     assert "GPUHealthUncorrectableECC" in text and "shardstack-inference.service" in text
-    assert "3 sessions, 1 queued, 411 since start" in text
+    assert "12.2 req/s, p99 0.840 s, 3 sessions, 1 queued, 411 since start" in text
+    assert "- req/s, p99 - s" not in text and "0.0 req/s, p99 - s, 0 sessions" in text
 
 
 def test_sources_from_the_inventory() -> None:

@@ -105,13 +105,15 @@ def test_metrics_endpoint_serves_the_gauges():
     port = _free_port()
     m = TrainMetrics(port, addr="127.0.0.1")
     try:
-        m.update(step=7, loss=2.5, step_seconds=0.25, tokens_per_second=1000.0, mfu=0.4)
+        m.update(step=7, end=10, loss=2.5, step_seconds=0.25, tokens_per_second=1000.0, mfu=0.4)
+        m.last_checkpoint_step.set(5)
         body = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5).read().decode()
     finally:
         m.close()
     for name, value in [("shardstack_train_step", "7.0"), ("shardstack_train_loss", "2.5"),
                         ("shardstack_train_step_seconds", "0.25"), ("shardstack_train_tokens_per_second", "1000.0"),
-                        ("shardstack_train_mfu_ratio", "0.4")]:
+                        ("shardstack_train_mfu_ratio", "0.4"), ("shardstack_train_end_step", "10.0"),
+                        ("shardstack_train_last_checkpoint_step", "5.0")]:
         assert f"\n{name} {value}\n" in body
     assert "shardstack_train_last_step_timestamp_seconds " in body
 

@@ -24,6 +24,17 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.set_defaults(func=_status)
 
 
+def _num(value: float | None, fmt: str) -> str:
+    return "-" if value is None else fmt.format(value)
+
+
+def _duration(seconds: float | None) -> str:
+    if seconds is None:
+        return "-"
+    s = round(seconds)
+    return f"{s // 3600}h{s % 3600 // 60:02d}m" if s >= 3600 else f"{s // 60}m{s % 60:02d}s"
+
+
 def table(st: status_ops.Status) -> Table:
     t = Table(title="shardstack status", show_lines=False)
     for col in ("kind", "name", "state", "detail"):
@@ -36,13 +47,15 @@ def table(st: status_ops.Status) -> Table:
     for u in st.failed_units or []:
         t.add_row("unit", f"{u['node']}: {u['unit']}", "[red]failed[/]", "")
     for tr in st.training:
-        detail = (f"step {tr.get('step', 0):.0f}, loss {tr.get('loss', float('nan')):.4f}, "
-                  f"{tr.get('tokens_per_second', 0):.0f} tokens/s")
+        detail = (f"step {tr.get('step', 0):.0f}/{tr.get('end_step', 0):.0f}, loss {tr.get('loss', float('nan')):.4f}, "
+                  f"{tr.get('tokens_per_second', 0):.0f} tokens/s, last checkpoint "
+                  f"{_num(tr.get('last_checkpoint_step'), '{:.0f}')}, ETA {_duration(tr.get('eta_seconds'))}")
         t.add_row("training", tr["node"], "reporting", detail)
     for b in st.backends:
         colour = "green" if b["status"] == "UP" else "yellow" if b["status"] == "DRAIN" else "red"
-        detail = (f"{b['sessions']} sessions, {b['queued']} queued, {b['sessions_total']} since start, "
-                  f"check {b['check'] or '-'}")
+        detail = (f"{_num(b.get('requests_per_second'), '{:.1f}')} req/s, p99 "
+                  f"{_num(b.get('p99_seconds'), '{:.3f}')} s, {b['sessions']} sessions, {b['queued']} queued, "
+                  f"{b['sessions_total']} since start, check {b['check'] or '-'}")
         t.add_row("backend", b["server"], f"[{colour}]{b['status']}[/]", detail)
     for a in st.alerts:
         colour = "red" if a["severity"] == "critical" else "yellow"

@@ -21,7 +21,15 @@ from shardstack.ops import cluster
 NODE_GROUPS = ("train_nodes", "inference_nodes", "loadbalancer", "monitoring_server", "storage_server")
 TRAIN_METRICS = {"step": "shardstack_train_step", "loss": "shardstack_train_loss",
                  "tokens_per_second": "shardstack_train_tokens_per_second",
+                 "step_seconds": "shardstack_train_step_seconds", "end_step": "shardstack_train_end_step",
+                 "last_checkpoint_step": "shardstack_train_last_checkpoint_step",
                  "last_step_timestamp": "shardstack_train_last_step_timestamp_seconds"}
+# Per inference backend, from the service's own metrics (HAProxy 2.6 has no per-server request rate or latency).
+BACKEND_METRICS = {
+    "requests_per_second": 'sum by (node) (rate(shardstack_infer_requests_total{job="inference"}[1m]))',
+    "p99_seconds": 'histogram_quantile(0.99, sum by (node, le) '
+                   '(rate(shardstack_infer_request_duration_seconds_bucket{job="inference"}[5m])))',
+}
 
 
 @dataclass
@@ -104,12 +112,13 @@ def collect(groups: dict[str, list[str]], cordoned: dict[str, dict[str, Any]], p
     status = Status()
     hosts = sorted({h for g in NODE_GROUPS for h in groups.get(g, [])})
     up: dict[str, bool] = {}
+    served: dict[str, dict[str, float | None]] = {}  # inference node → BACKEND_METRICS
     if prometheus is None:
         status.notes.append("no monitoring_server in the inventory: no Prometheus data")
     else:
         try:
             up = {r["metric"].get("node", ""): r["value"][1] == "1" for r in prom_query(prometheus, 'up{job="node"}')}
-            _prometheus_parts(prometheus, status)
+            served = _prometheus_parts(prometheus, status)
         except ShardstackError as exc:
             status.notes.append(f"Prometheus: {exc}")
     gpu_alerts: dict[str, list[str]] = {}
@@ -129,10 +138,13 @@ def collect(groups: dict[str, list[str]], cordoned: dict[str, dict[str, Any]], p
             status.backends = haproxy_servers(haproxy)
         except ShardstackError as exc:
             status.notes.append(f"HAProxy: {exc}")
+    for b in status.backends:
+        b.update({key: served.get(b["server"], {}).get(key) for key in BACKEND_METRICS})
     return status
 
 
-def _prometheus_parts(base: str, status: Status) -> None:
+def _prometheus_parts(base: str, status: Status) -> dict[str, dict[str, float | None]]:
+    """Fills in units, training and alerts; returns the inference backends' figures by node."""
     if prom_query(base, "count(node_systemd_unit_state)"):
         status.failed_units = sorted(
             ({"node": r["metric"].get("node", ""), "unit": r["metric"].get("name", "")}
@@ -145,10 +157,21 @@ def _prometheus_parts(base: str, status: Status) -> None:
         for r in prom_query(base, metric):
             entry = by_node.setdefault(r["metric"].get("node", r["metric"].get("instance", "")), {})
             entry[key] = float(r["value"][1])
+    for v in by_node.values():
+        # The rest of the run at the last step's pace; None once it is done or when a gauge is missing.
+        left = v.get("end_step", 0) - v.get("step", 0)
+        v["eta_seconds"] = left * v["step_seconds"] if left > 0 and "step_seconds" in v else None
     status.training = [{"node": n, **v} for n, v in sorted(by_node.items())]
+    served: dict[str, dict[str, float | None]] = {}
+    for key, promql in BACKEND_METRICS.items():
+        for r in prom_query(base, promql):
+            value = float(r["value"][1])
+            served.setdefault(r["metric"].get("node", ""), {})[key] = (
+                value if value == value else None)  # NaN (no request in the window): no figure
     body = json.loads(_get(f"{base}/api/v1/alerts", 5.0))
     status.alerts = sorted(
         ({"name": a["labels"].get("alertname", ""), "severity": a["labels"].get("severity", ""),
           "node": a["labels"].get("node", ""), "summary": a.get("annotations", {}).get("summary", "")}
          for a in body.get("data", {}).get("alerts", []) if a.get("state") == "firing"),
         key=lambda a: (a["severity"] != "critical", a["name"], a["node"]))
+    return served

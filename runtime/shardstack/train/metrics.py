@@ -71,6 +71,11 @@ class TrainMetrics:
         self.last_step_ts = Gauge("shardstack_train_last_step_timestamp_seconds",
                                   "Unix time at which the last step finished", registry=r)
         self.step = Gauge("shardstack_train_step", "Last finished optimizer step", registry=r)
+        self.end_step = Gauge("shardstack_train_end_step", "The step this run ends at (schedule.total_steps, or "
+                              "the start plus --max-steps)", registry=r)
+        self.last_checkpoint_step = Gauge("shardstack_train_last_checkpoint_step",
+                                          "Step of the newest committed checkpoint (resumed from or saved)",
+                                          registry=r)
         self.checkpoint_skipped = Counter("shardstack_train_checkpoint_skipped", "Checkpoint saves skipped because "
                                           "the checkpoint filesystem lacked the space for one more", registry=r)
         self.checkpoint_free_bytes = Gauge("shardstack_train_checkpoint_free_bytes",
@@ -88,8 +93,10 @@ class TrainMetrics:
     def port(self) -> int | None:
         return self._server.server_port if self._server else None
 
-    def update(self, *, step: int, loss: float, step_seconds: float, tokens_per_second: float, mfu: float) -> None:
+    def update(self, *, step: int, end: int, loss: float, step_seconds: float, tokens_per_second: float,
+               mfu: float) -> None:
         self.step.set(step)
+        self.end_step.set(end)
         self.loss.set(loss)
         self.step_seconds.set(step_seconds)
         self.tokens_per_second.set(tokens_per_second)
@@ -131,7 +138,7 @@ class MetricsProcessor:
             return tps
         mfu = self.flops_per_token * tps / (self.peak * 1e12 * self.world_size)
         if self.gauges:
-            self.gauges.update(step=step, loss=loss, step_seconds=seconds, tokens_per_second=tps, mfu=mfu)
+            self.gauges.update(step=step, end=end, loss=loss, step_seconds=seconds, tokens_per_second=tps, mfu=mfu)
         if step % self.cfg.log_every == 0 or step == end:
             rec: dict[str, Any] = {
                 "step": step, "loss": round(loss, 6), "lr": lr, "tokens_per_second": round(tps, 1),
@@ -153,6 +160,11 @@ class MetricsProcessor:
             self.gauges.checkpoint_free_bytes.set(free_bytes)
             if skipped:
                 self.gauges.checkpoint_skipped.inc()
+
+    def checkpoint_committed(self, step: int) -> None:
+        """A checkpoint of `step` is committed (or was resumed from); rank 0 exports its step."""
+        if self.gauges:
+            self.gauges.last_checkpoint_step.set(step)
 
     def close(self) -> None:
         if self.gauges:

@@ -216,6 +216,9 @@ def train(cfg: JobConfig, max_steps: int | None = None, *, out=None) -> TrainRes
                                tokens_per_step=tokens_per_step, flops_per_token=flops_per_token, out=out)
     if ckpt:
         ckpt.on_space_check = lambda c: metrics.checkpoint_space(free_bytes=c.free_bytes, skipped=c.skipped)
+        ckpt.on_commit = metrics.checkpoint_committed
+        if start:
+            metrics.checkpoint_committed(start)
     if info.is_main:
         log.info("stage %d, precision %s, offload %s, global batch %d = micro %d × accumulation %d × dp %d; "
                  "steps %d→%d; MFU against %.1f TFLOP/s per device (%s)", engine.stage, cfg.engine.precision,

@@ -99,7 +99,8 @@ class Checkpointer:
 
     Every rank must call every method in the same order (they are collective). `stage` and `job_config` are
     recorded in the manifest: the stage for `checkpoint ls`, the job config so `export` knows the model shape.
-    `on_space_check` is called on every rank with each save's `SpaceCheck` (the trainer feeds its metrics).
+    `on_space_check` is called on every rank with each save's `SpaceCheck`, `on_commit` with the step of each
+    checkpoint once it is committed (in the background for async saves); the trainer feeds its metrics with both.
     """
 
     def __init__(
@@ -111,12 +112,14 @@ class Checkpointer:
         stage: int | None = None,
         job_config: dict[str, Any] | None = None,
         on_space_check: Callable[[SpaceCheck], None] | None = None,
+        on_commit: Callable[[int], None] | None = None,
     ) -> None:
         self.cfg = cfg
         self.config_hash = config_hash
         self.stage = stage
         self.job_config = job_config
         self.on_space_check = on_space_check
+        self.on_commit = on_commit
         self.enabled = cfg.dir is not None
         self.root = Path(cfg.dir) if cfg.dir is not None else None
         self._distributed = torch.distributed.is_available() and torch.distributed.is_initialized()
@@ -436,6 +439,8 @@ class Checkpointer:
         error = self._broadcast(error, group=group)  # doubles as the barrier: nobody moves on before the commit
         if error is not None:
             raise ShardstackError(error)
+        if self.on_commit is not None:
+            self.on_commit(step)
 
     def _write_manifest(self, step: int, tmp: Path, per_rank: list[dict[str, dict[str, Any]]]) -> None:
         assert self.root is not None
