@@ -55,12 +55,12 @@ def test_nodes_upload_over_mutual_tls_to_the_first_monitoring_server(role_eval: 
     assert _lines(r.render("journal-upload.conf.j2")) == [
         "[Upload]", "URL=https://10.0.0.1:19532",
         "ServerKeyFile=/run/credentials/systemd-journal-upload.service/journal-upload.key",
-        "ServerCertificateFile=/etc/shardstack/journal-tls/upload.crt",
-        "TrustedCertificateFile=/etc/shardstack/journal-tls/ca.crt"]
+        "ServerCertificateFile=/etc/shardstack-journal/tls/upload.crt",
+        "TrustedCertificateFile=/etc/shardstack-journal/tls/ca.crt"]
     unit = _lines(r.render("journal-upload.service.conf.j2"))
     assert "StartLimitIntervalSec=0" in unit and "Restart=always" in unit
     # The key is root-only on disk; the dynamic user of journal-upload gets it as a credential.
-    assert "LoadCredential=journal-upload.key:/etc/shardstack/journal-tls/upload.key" in unit
+    assert "LoadCredential=journal-upload.key:/etc/shardstack-journal/tls/upload.key" in unit
     # A client certificate under the node's own name (journal-remote files its entries under it), from the cluster
     # CA in the same store as the loadbalancer's.
     assert (r["__journal_tls_usage"], r["__journal_tls_names"]) == ("client", ["n2"])
@@ -123,7 +123,7 @@ def test_collector_gate_takes_mutual_tls_and_journal_remote_stays_on_loopback(
                            "--output=/var/log/journal/remote/")
     gate = r.render("journal-gate.cfg.j2")
     assert ('    bind 10.0.0.1:19532 ssl crt "${CREDENTIALS_DIRECTORY}/remote.pem" '
-            "ca-file /etc/shardstack/journal-tls/ca.crt verify required") in gate.splitlines()
+            "ca-file /etc/shardstack-journal/tls/ca.crt verify required") in gate.splitlines()
     assert "    use_backend node_n2 if { ssl_c_s_dn(CN) -m str n2 }" in gate.splitlines()
     assert "    server journal-remote 127.0.0.1:19533 source 127.77.0.3" in gate.splitlines()
     assert "    default_backend refused" in gate.splitlines()
@@ -139,7 +139,7 @@ def test_collector_gate_takes_mutual_tls_and_journal_remote_stays_on_loopback(
     cc.apply(p, *files, ["mon", "10.0.0.1"], ca_common_name="test CA", valid_days=30)
     (tmp_path / "remote.pem").write_text(files[2].read_text() + files[3].read_text())
     conf = tmp_path / "gate.cfg"
-    conf.write_text(gate.replace("/etc/shardstack/journal-tls/ca.crt", str(files[0])))
+    conf.write_text(gate.replace("/etc/shardstack-journal/tls/ca.crt", str(files[0])))
     check = subprocess.run(["haproxy", "-c", "-f", str(conf)], capture_output=True, text=True,
                            env={**os.environ, "CREDENTIALS_DIRECTORY": str(tmp_path)})
     assert check.returncode == 0, check.stdout + check.stderr
@@ -209,7 +209,7 @@ def test_forwarder_to_loki_is_valid_rsyslog(role_eval: Any, debian_container: di
                    journal_forward_kind="loki")
     assert r["__journal_forward_packages"] == ["rsyslog"]
     text = r.render("log-forward.rsyslog.conf.j2")
-    assert 'type="omprog"' in text and "--config=/etc/shardstack/log-forward/loki.json" in text
+    assert 'type="omprog"' in text and "--config=/etc/shardstack-journal/log-forward/loki.json" in text
     assert 'confirmMessages="on"' in text and 'queue.filename="forward"' in text and "pwd=" not in text
     check = _rsyslog_check(text, tmp_path)
     assert check.returncode == 0, check.stdout + check.stderr
