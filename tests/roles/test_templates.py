@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -188,3 +189,19 @@ def test_dcgm_package_follows_the_drivers_cuda_major(
     assert r["__dcgm_exporter_packages_effective"] == [package, "datacenter-gpu-manager-exporter"]
     mine = role_eval("dcgm_exporter", debian_container, dcgm_exporter_packages=["datacenter-gpu-manager"])
     assert mine["__dcgm_exporter_packages_effective"] == ["datacenter-gpu-manager"]
+
+
+def test_the_prune_tool_is_found_in_a_checkout_and_in_the_wheel(role_eval: Any, debian_container: dict,
+                                                               tmp_path: Path) -> None:
+    """shared_storage copies runtime/shardstack/ops/artifacts.py to the storage server: found beside the roles in a
+    checkout and in the wheel's layout (shardstack/_ansible/roles next to the package), as `deploy` from a wheel
+    needs it."""
+    repo = Path(__file__).resolve().parents[2]
+    here = role_eval("shared_storage", debian_container, role_path=str(repo / "roles/shared_storage"))
+    assert Path(here["__shared_storage_prune_source"]).resolve() == repo / "runtime/shardstack/ops/artifacts.py"
+    wheel = tmp_path / "site-packages/shardstack"
+    (wheel / "_ansible/roles/shared_storage").mkdir(parents=True)
+    (wheel / "ops").mkdir()
+    (wheel / "ops/artifacts.py").write_text("# the module\n")
+    there = role_eval("shared_storage", debian_container, role_path=str(wheel / "_ansible/roles/shared_storage"))
+    assert Path(there["__shared_storage_prune_source"]).resolve() == wheel / "ops/artifacts.py"
