@@ -406,7 +406,8 @@ def test_drain_stops_a_job_at_a_checkpoint_and_the_resubmit_runs_without_the_nod
         # Both agents ended with their workers' exit 0: finished, not failed, and systemd restarted nothing.
         assert final.state == "finished" and all(n.restarts == 0 for n in final.nodes), final.to_dict()
         text = "\n".join(train.logs(name, lab3.inventory, lines=400).values())
-        stopped = int(re.search(r"stopping after step (\d+) on SIGUSR1", text).group(1))
+        # Rank 0 (on the head) names the signal only when it got it; here the drained node's ranks did.
+        stopped = int(re.search(r"stopping after step (\d+) on (?:SIGUSR1|a signal on another rank)", text).group(1))
         assert 5 <= stopped < 2000
         manifest = f"{job['checkpoint']['dir']}/step_{stopped:08d}/manifest.json"
         assert run_command(["test", "-s", manifest], lab3.inventory, head)[head].success, manifest
