@@ -90,12 +90,14 @@ def test_drain_stops_the_jobs_running_on_a_train_node(inventory: Path, monkeypat
 def test_stop_jobs_script_signals_only_the_agents_children(tmp_path: Path) -> None:
     """STOP_JOBS with systemctl answered by a stand-in on PATH: the agent's child gets SIGUSR1, the agent does not."""
     child_file = tmp_path / "child.out"
+    # The child says "ready" (in its file) once its handler is in place: a signal before that would kill it.
     agent = subprocess.Popen([sys.executable, "-c", (
-        "import signal, subprocess, sys, time\n"
+        "import os, signal, subprocess, sys, time\n"
         "signal.signal(signal.SIGUSR1, lambda *a: sys.exit(9))\n"
         "c = subprocess.Popen([sys.executable, '-c', 'import signal, sys, time\\n"
         "signal.signal(signal.SIGUSR1, lambda *a: (open(sys.argv[1], \"w\").write(\"USR1\"), sys.exit(0)))\\n"
-        f"time.sleep(60)', '{child_file}'])\n"
+        f"open(sys.argv[1], \"w\").write(\"ready\")\\ntime.sleep(60)', '{child_file}'])\n"
+        f"while not (os.path.exists('{child_file}') and open('{child_file}').read() == 'ready'): time.sleep(0.05)\n"
         "print('ready', flush=True)\nc.wait()\ntime.sleep(60)\n")], stdout=subprocess.PIPE, text=True)
     try:
         assert agent.stdout is not None and agent.stdout.readline().strip() == "ready"
