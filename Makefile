@@ -71,7 +71,7 @@ unit: setup
 # scenario, so MOLECULE_JOBS of them run side by side; the longest start first so the two queues end together.
 # One line per scenario here; the whole output in artifacts/molecule/<scenario>.log (the tail of a failed one below).
 MOLECULE_JOBS ?= 2
-MOLECULE_FIRST := default training_runtime nvidia_driver inference_service firewall prometheus rdma os_baseline
+MOLECULE_FIRST := default nvidia_driver training_runtime journal inference_service prometheus firewall loadbalancer os_baseline rdma
 SCENARIOS := $(MOLECULE_FIRST) $(filter-out $(MOLECULE_FIRST),$(patsubst molecule/%/molecule.yml,%,$(wildcard molecule/*/molecule.yml)))
 
 molecule: setup

