@@ -69,7 +69,7 @@ unit: setup
 
 # Every scenario: `default` (site.yml on three lab nodes) and one per role. Each boots its own lab, named after the
 # scenario, so MOLECULE_JOBS of them run side by side; the longest start first so the two queues end together.
-# One line per scenario here; the whole output in artifacts/molecule/<scenario>.log (the tail of a failed one below).
+# One line per scenario here; the whole output in artifacts/molecule/<scenario>.log (a failed one's failed tasks below).
 MOLECULE_JOBS ?= 2
 MOLECULE_FIRST := default nvidia_driver training_runtime journal inference_service prometheus firewall loadbalancer os_baseline rdma
 SCENARIOS := $(MOLECULE_FIRST) $(filter-out $(MOLECULE_FIRST),$(patsubst molecule/%/molecule.yml,%,$(wildcard molecule/*/molecule.yml)))
@@ -81,7 +81,9 @@ molecule: setup
 	  if molecule test -s {} >artifacts/molecule/{}.log 2>&1; then r=passed; else r=FAILED; touch artifacts/molecule/{}.failed; fi; \
 	  echo "molecule {}: $$r in $$(( $$(date +%s) - start )) s"' ; \
 	for f in artifacts/molecule/*.failed; do [ -e "$$f" ] || continue; s=$$(basename $$f .failed); \
-	  echo "== $$s failed, the end of artifacts/molecule/$$s.log:"; tail -n 60 artifacts/molecule/$$s.log; done; \
+	  echo "== $$s failed; its failed tasks, then the end of artifacts/molecule/$$s.log:"; \
+	  grep -a -B2 -A30 -E '(fatal|failed): \[|FAILED!|ERROR!' artifacts/molecule/$$s.log | head -n 150 || true; \
+	  tail -n 25 artifacts/molecule/$$s.log; done; \
 	! ls artifacts/molecule/*.failed >/dev/null 2>&1
 
 # The whole cluster on a 3-node lab; `pytest` alone skips it (SHARDSTACK_E2E unset), so it runs once here.
