@@ -23,8 +23,8 @@ STAMP := $(VENV)/.installed-$(shell cat pyproject.toml | sha1sum | cut -c1-12)
 
 help:
 	@echo "make demo   - set up, boot a 3-node lab, deploy site.yml on it, print a summary"
-	@echo "make test   - set up, lint, unit + distributed + lab tests, molecule, e2e"
-	@echo "make e2e    - the whole cluster on a 3-node lab: deploy, 2-node training, kill a worker, serve (~9 min)"
+	@echo "make test   - set up, lint, unit + distributed + lab tests, molecule (default's verify runs tests/e2e)"
+	@echo "make e2e    - the whole cluster on a 3-node lab: deploy, 2-node training, kill a worker, serve (~15 min)"
 	@echo "make molecule - every molecule scenario (default + one per role), MOLECULE_JOBS=$(MOLECULE_JOBS) at a time"
 	@echo "make bench-NAME [ARGS='…'] - run bench/NAME.py with what it needs (e.g. make bench-vs_deepspeed)"
 	@echo "make pretrained - build the demo's pretrained Llama into $(SHARDSTACK_CACHE)/pretrained (tokenizer, data, CPU training, export)"
@@ -86,11 +86,12 @@ molecule: setup
 	  tail -n 25 artifacts/molecule/$$s.log; done; \
 	! ls artifacts/molecule/*.failed >/dev/null 2>&1
 
-# The whole cluster on a 3-node lab; `pytest` alone skips it (SHARDSTACK_E2E unset), so it runs once here.
+# The whole cluster on a 3-node lab of its own; `pytest` alone skips it (SHARDSTACK_E2E unset). `make test` runs the
+# same suite once, in molecule default's verify, on the cluster that scenario deployed (no second site.yml run).
 e2e: setup
 	SHARDSTACK_E2E=1 pytest -x -s tests/e2e
 
-test: lint unit molecule e2e
+test: lint unit molecule
 
 # Benchmarks: `make bench-memory ARGS='--world-size 2'` runs bench/memory.py from the project venv. DeepSpeed is no
 # shardstack dependency: its comparison gets a bench-only venv in the cache, built here once.
