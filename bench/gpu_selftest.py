@@ -10,7 +10,7 @@ checks (seconds on one H200 in parentheses are budgets, not measurements):
   cuda        the fail-loud checks the runtime runs before it starts (driver, torch build, CUDA runtime) (~5 s)
   train_nccl  one torchrun job, --nproc-per-node = #GPUs, ZeRO stage 3, bf16, a small GPT, NCCL (~90 s)
   serve_cuda  `shardstack serve --device cuda` on a random model and one completion (~60 s)
-  gpu_step    bench/gpu_step.py: a 1.3B GPT, plain and stages 0-3, tokens/s and MFU (~3 min)
+  gpu_step    bench/gpu_step.py: a 1B Llama and 8 layers of Llama 3 8B, plain and stages 0-3, tokens/s, MFU (~4 min)
 
 Exit code: 0 when every check that ran passed, 1 otherwise. `--checks preflight,facts` runs only those.
 """
@@ -177,10 +177,11 @@ class SelfTest:
         proc = subprocess.run([sys.executable, str(REPO / "bench" / "gpu_step.py"), "--steps", "5", "--warmup", "2",
                                "--no-compile"], capture_output=True, text=True, timeout=480)
         rows = [json.loads(x) for x in proc.stdout.splitlines() if x.startswith("{")]
-        variants = {r["variant"]: {k: r.get(k) for k in ("tokens_per_second", "mfu", "peak_memory_gib", "error")}
+        variants = {f"{r['model']} {r['variant']}": {k: r.get(k) for k in ("tokens_per_second", "mfu",
+                                                                          "peak_memory_gib", "error")}
                     for r in rows if "variant" in r}
         ok = proc.returncode == 0 and bool(variants) and not any(v.get("error") for v in variants.values())
-        return {"ok": ok, "variants": variants, "summary": next((r for r in rows if r.get("summary")), None),
+        return {"ok": ok, "variants": variants, "summaries": [r for r in rows if r.get("summary")],
                 "stderr_tail": None if ok else proc.stderr[-1500:]}
 
 

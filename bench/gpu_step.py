@@ -1,11 +1,16 @@
-"""One GPU: a ~1.3B GPT (24 layers, d=2048, seq 2048, bf16) under a plain PyTorch loop and under shardstack
-stages 0–3, in one run. Prints tokens/s, MFU against 989 TFLOP/s (H100/H200 dense bf16), peak memory and the
-ratio to plain, one JSON line each, then a summary against the targets (stage 3 ≥ 0.97 × plain, MFU ≥ 50%).
+"""One GPU: a 1B-class Llama (Llama 3.2 1B's shapes) and Llama 3 8B's layer shapes (fewer layers, to fit one GPU),
+each under a plain PyTorch loop and under shardstack stages 0–3, in one run, with activation checkpointing, bf16.
+Prints tokens/s, MFU against 989 TFLOP/s (H100/H200 dense bf16) and peak memory, one JSON line per variant, then per
+model a summary: the ratios to plain and the targets (stage 3 ≥ 0.97 × plain, MFU ≥ 50%).
 
-    python bench/gpu_step.py [--micro-batch 8 --steps 10 --no-compile --out bench/gpu_step.jsonl]
+    python bench/gpu_step.py [--models llama3-1b llama3-8b:8 --seq-len 4096 --micro-batch 4 --steps 10
+                              --activation-checkpointing full --no-compile --out bench/gpu_step.jsonl]
 
-It refuses to run without a CUDA device. Each variant is built fresh from the same seed; the plain loop is the
-reference: fp32 master weights, bf16 autocast, AdamW (foreach), clip_grad_norm_, the same model code.
+A model is NAME[:LAYERS]: a preset of shardstack.model (llama3-1b, llama3-8b, …; gpt-1.3b for the GPT) and
+optionally fewer layers than it has. It refuses to run without a CUDA device. Each variant is built fresh from the
+same seed. The plain loop is the reference: the same model code and the same per-block activation checkpointing and
+compile (shardstack.train.parallelize.prepare_blocks), fp32 master weights, bf16 autocast, AdamW with the kernels
+the engine picks (fused on CUDA), clip_grad_norm_.
 """
 
 from __future__ import annotations
@@ -20,11 +25,25 @@ import time
 import torch
 
 PEAK_TFLOPS = 989.0
+GPT_1P3B = {"arch": "gpt", "n_layer": 24, "n_head": 16, "d_model": 2048}
 
 
 def sync() -> None:
     if torch.cuda.is_available():
         torch.cuda.synchronize()
+
+
+def model_config(spec: str, seq_len: int, smoke: bool):
+    """NAME[:LAYERS] → shardstack.model.factory.ModelConfig (the tiny preset of the same arch under --smoke-cpu)."""
+    from shardstack.model.factory import ModelConfig
+
+    name, _, layers = spec.partition(":")
+    fields = dict(GPT_1P3B) if name == "gpt-1.3b" else {"arch": "llama", "size": name}
+    if smoke:
+        fields = {"arch": fields["arch"], "size": "tiny"}
+    if layers:
+        fields["n_layer"] = int(layers)
+    return ModelConfig(**fields, seq_len=seq_len)
 
 
 def _variants(args):
@@ -34,21 +53,24 @@ def _variants(args):
 
 
 def run_variant(name: str, stage: int | None, args, info, mcfg) -> dict:
-    from shardstack.model.gpt import GPT
+    from shardstack.model.factory import build_model
     from shardstack.train.config import EngineConfig, OptimizerConfig
     from shardstack.train.engine import build_engine
+    from shardstack.train.parallelize import prepare_blocks
 
     torch.manual_seed(0)
     with torch.device(info.device):
-        model = GPT(mcfg)
+        model = build_model(mcfg)
     flops_per_token = model.flops_per_token()
-    if args.compile:
-        # Each block becomes an OptimizedModule before wrapping, so FSDP2's hooks sit outside the compiled graph.
-        for i, block in enumerate(model.blocks):
-            model.blocks[i] = torch.compile(block)
+    params = sum(p.numel() for p in model.parameters())
+    engine_cfg = EngineConfig(stage=3 if stage is None else stage, precision="bf16", device=info.device.type,
+                              activation_checkpointing=args.activation_checkpointing, compile=args.compile)
     optim_cfg = OptimizerConfig(lr=1e-4, grad_clip=1.0)
     if stage is None:
-        opt = torch.optim.AdamW(model.parameters(), lr=1e-4, betas=(0.9, 0.95), weight_decay=0.1, foreach=True)
+        prepare_blocks(model.blocks, engine_cfg, info.device)
+        fused = info.device.type == "cuda"
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-4, betas=(0.9, 0.95), weight_decay=0.1, fused=fused,
+                                foreach=not fused)
 
         def step(batches):
             for x, y in batches:
@@ -59,18 +81,16 @@ def run_variant(name: str, stage: int | None, args, info, mcfg) -> dict:
             opt.step()
             opt.zero_grad(set_to_none=True)
     else:
-        engine = build_engine(model, EngineConfig(stage=stage, precision="bf16", device=info.device.type), optim_cfg,
-                              info)
+        engine = build_engine(model, engine_cfg, optim_cfg, info)
 
         def step(batches):
             engine.forward_backward(batches)
             engine.step()
 
+    seq_len, vocab = model.config.seq_len, model.config.vocab_size
     g = torch.Generator(device=info.device).manual_seed(1)
-    batches = [
-        (x, x) for x in torch.randint(0, mcfg.vocab_size, (args.accumulation, args.micro_batch, mcfg.seq_len),
-                                      device=info.device, generator=g)
-    ]
+    batches = [(x, x) for x in torch.randint(0, vocab, (args.accumulation, args.micro_batch, seq_len),
+                                             device=info.device, generator=g)]
     for _ in range(args.warmup):
         step(batches)
     sync()
@@ -81,51 +101,30 @@ def run_variant(name: str, stage: int | None, args, info, mcfg) -> dict:
         step(batches)
     sync()
     dt = (time.perf_counter() - t0) / args.steps
-    tokens = args.micro_batch * args.accumulation * mcfg.seq_len
-    tps = tokens / dt
+    tps = args.micro_batch * args.accumulation * seq_len / dt
     return {"variant": name, "stage": stage, "tokens_per_second": round(tps, 1), "step_seconds": round(dt, 4),
             "mfu": round(flops_per_token * tps / (PEAK_TFLOPS * 1e12), 4),
             "peak_memory_gib": round(torch.cuda.max_memory_allocated() / 2**30, 2) if info.device.type == "cuda"
-            else None,
-            "params": sum(p.numel() for p in model.parameters()), "compiled": args.compile}
+            else None, "params": params}
 
 
-def main() -> int:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--micro-batch", type=int, default=8)
-    ap.add_argument("--accumulation", type=int, default=1)
-    ap.add_argument("--steps", type=int, default=10)
-    ap.add_argument("--warmup", type=int, default=3)
-    ap.add_argument("--stages", type=int, nargs="*", default=[0, 1, 2, 3])
-    ap.add_argument("--no-compile", dest="compile", action="store_false", help="eager blocks (default: compiled)")
-    ap.add_argument("--out", default=None, help="also append the JSON lines here")
-    # Checks the script's code paths on CPU with a tiny model (no figures worth recording).
-    ap.add_argument("--smoke-cpu", action="store_true", help=argparse.SUPPRESS)
-    args = ap.parse_args()
-    if args.smoke_cpu:
-        args.warmup, args.steps, args.micro_batch = 1, 1, 2  # add --no-compile to skip inductor
-    elif not torch.cuda.is_available():
-        print("bench/gpu_step.py needs a CUDA GPU and this machine has none (torch.cuda.is_available() is False, "
-              f"torch {torch.__version__}); nothing was measured.", file=sys.stderr)
-        return 2
+def bench_model(spec: str, args, info) -> list[dict]:
+    from shardstack.model.factory import arch_config
 
-    from shardstack.model.gpt import GPTConfig
-    from shardstack.train.dist import init_distributed, shutdown
-
-    info = init_distributed("cpu" if args.smoke_cpu else "cuda")
-    mcfg = GPTConfig(n_layer=2, n_head=2, d_model=64, seq_len=32) if args.smoke_cpu else \
-        GPTConfig(n_layer=24, n_head=16, d_model=2048, seq_len=2048)
-    header = {"bench": "gpu_step", "torch": torch.__version__,
+    mcfg = model_config(spec, args.seq_len, args.smoke_cpu)
+    header = {"bench": "gpu_step", "model": spec, "torch": torch.__version__,
               "gpu": torch.cuda.get_device_name(0) if torch.cuda.is_available() else "none",
-              "model": mcfg.to_dict(), "micro_batch": args.micro_batch, "accumulation": args.accumulation,
+              "config": {k: v for k, v in arch_config(mcfg).to_dict().items() if not isinstance(v, dict)},
+              "micro_batch": args.micro_batch, "accumulation": args.accumulation,
+              "activation_checkpointing": args.activation_checkpointing, "compiled": args.compile,
               "peak_tflops": PEAK_TFLOPS, "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())}
     rows = [header]
     print(json.dumps(header), flush=True)
     for name, stage in _variants(args):
         try:
-            row = run_variant(name, stage, args, info, mcfg)
+            row = {"model": spec, **run_variant(name, stage, args, info, mcfg)}
         except torch.OutOfMemoryError as exc:
-            row = {"variant": name, "stage": stage, "error": f"CUDA OOM: {str(exc).splitlines()[0]}"}
+            row = {"model": spec, "variant": name, "stage": stage, "error": f"CUDA OOM: {str(exc).splitlines()[0]}"}
         rows.append(row)
         print(json.dumps(row), flush=True)
         gc.collect()
@@ -134,19 +133,46 @@ def main() -> int:
         with contextlib.suppress(Exception):
             torch._dynamo.reset()
     plain = next((r for r in rows if r.get("variant") == "plain" and "tokens_per_second" in r), None)
-    summary: dict = {"summary": True}
+    summary: dict = {"summary": True, "model": spec}
     if plain:
-        for r in rows[1:]:
-            if "tokens_per_second" in r:
-                r["ratio_to_plain"] = round(r["tokens_per_second"] / plain["tokens_per_second"], 3)
-        s3 = next((r for r in rows if r.get("stage") == 3 and "ratio_to_plain" in r), None)
-        summary |= {"ratios": {r["variant"]: r.get("ratio_to_plain") for r in rows[1:]},
-                    "stage3_ratio_target_0.97": None if s3 is None else s3["ratio_to_plain"] >= 0.97,
+        ratios = {r["variant"]: round(r["tokens_per_second"] / plain["tokens_per_second"], 3) if "tokens_per_second"
+                  in r else None for r in rows[1:]}
+        s3 = ratios.get("stage3")
+        summary |= {"ratios": ratios, "stage3_ratio_target_0.97": None if s3 is None else s3 >= 0.97,
                     "mfu_target_0.50": {r["variant"]: r["mfu"] >= 0.5 for r in rows[1:] if "mfu" in r}}
     print(json.dumps(summary), flush=True)
+    return [*rows, summary]
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--models", nargs="+", default=["llama3-1b", "llama3-8b:8"], metavar="NAME[:LAYERS]")
+    ap.add_argument("--seq-len", type=int, default=4096)
+    ap.add_argument("--micro-batch", type=int, default=4)
+    ap.add_argument("--accumulation", type=int, default=1)
+    ap.add_argument("--steps", type=int, default=10)
+    ap.add_argument("--warmup", type=int, default=3)
+    ap.add_argument("--stages", type=int, nargs="*", default=[0, 1, 2, 3])
+    ap.add_argument("--activation-checkpointing", choices=["none", "full"], default="full")
+    ap.add_argument("--no-compile", dest="compile", action="store_false", help="eager blocks (default: compiled)")
+    ap.add_argument("--out", default=None, help="also append the JSON lines here")
+    # Checks the script's code paths on CPU with each arch's tiny preset (no figures worth recording).
+    ap.add_argument("--smoke-cpu", action="store_true", help=argparse.SUPPRESS)
+    args = ap.parse_args()
+    if args.smoke_cpu:
+        args.warmup, args.steps, args.micro_batch, args.seq_len = 1, 1, 2, 32  # add --no-compile to skip inductor
+    elif not torch.cuda.is_available():
+        print("bench/gpu_step.py needs a CUDA GPU and this machine has none (torch.cuda.is_available() is False, "
+              f"torch {torch.__version__}); nothing was measured.", file=sys.stderr)
+        return 2
+
+    from shardstack.train.dist import init_distributed, shutdown
+
+    info = init_distributed("cpu" if args.smoke_cpu else "cuda")
+    rows = [row for spec in args.models for row in bench_model(spec, args, info)]
     if args.out:
         with open(args.out, "a") as f:
-            for r in [*rows, summary]:
+            for r in rows:
                 f.write(json.dumps(r) + "\n")
     shutdown()
     return 0

@@ -30,3 +30,31 @@ def test_the_cpu_part_of_the_gpu_selftest(tmp_path: Path) -> None:
         assert facts["accelerator"] == "cpu" and "no NVIDIA hardware" in facts["reason"]
         assert checks["gpu"] == {"check": "gpu", "ok": None, "skipped": "no NVIDIA GPU: GPU checks not run"}
         assert list(checks) == ["preflight", "facts", "gpu"]
+
+
+def test_gpu_step_runs_its_variants_on_cpu_and_refuses_to_measure_there(tmp_path: Path) -> None:
+    """bench/gpu_step.py's code paths (each arch's tiny preset, plain and stage 3, activation checkpointing) on CPU;
+    without --smoke-cpu it measures nothing on a machine without CUDA and says so (exit 2)."""
+    script = str(REPO / "bench" / "gpu_step.py")
+    proc = subprocess.run([sys.executable, script, "--smoke-cpu", "--no-compile", "--models", "llama3-8b:1",
+                           "gpt-1.3b", "--stages", "3", "--out", str(tmp_path / "out.jsonl")],
+                          capture_output=True, text=True, timeout=300, cwd=tmp_path)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    rows = [json.loads(line) for line in proc.stdout.splitlines()]
+    assert rows == [json.loads(line) for line in (tmp_path / "out.jsonl").read_text().splitlines()]
+    headers = [r for r in rows if r.get("bench") == "gpu_step"]
+    assert [(h["model"], h["config"]["n_layer"], h["activation_checkpointing"]) for h in headers] == \
+        [("llama3-8b:1", 1, "full"), ("gpt-1.3b", 2, "full")]
+    measured = [(r["model"], r["variant"]) for r in rows if "tokens_per_second" in r]
+    assert measured == [("llama3-8b:1", "plain"), ("llama3-8b:1", "stage3"), ("gpt-1.3b", "plain"),
+                        ("gpt-1.3b", "stage3")]
+    assert all(r["ratios"]["plain"] == 1.0 for r in rows if r.get("summary"))
+    if not torch_cuda_available():
+        refused = subprocess.run([sys.executable, script], capture_output=True, text=True, timeout=120)
+        assert refused.returncode == 2 and "needs a CUDA GPU" in refused.stderr and refused.stdout == ""
+
+
+def torch_cuda_available() -> bool:
+    import torch
+
+    return torch.cuda.is_available()
