@@ -29,6 +29,22 @@ def test_zero_partition_is_greedy_largest_first():
     assert [[p.numel() for p in r] for r in owned] == [[10, 4], [7, 5]]
 
 
+@pytest.mark.parametrize("model,world,tp", [({"arch": "llama", "size": "tiny", "vocab_size": 259}, 7, 1),
+                                             ({"arch": "llama", "size": "tiny", "vocab_size": 259}, 6, 2),
+                                             ({"size": "tiny", "vocab_size": 257}, 5, 1)])
+def test_the_reported_rank_holds_the_most_of_every_rank(model, world, tp):
+    """`estimate` without a rank evaluates rank 0 alone at stages 0, 2 and 3 (every rank at stage 1): on uneven
+    shards (rows not divisible by the world size) that is the maximum over every rank's own estimate."""
+    cfg = config_from_dict({"model": model, "engine": {"tensor_parallel": tp},
+                            "batch": {"global_batch": 2 * world // tp, "micro_batch": 2}})
+    stages = [0, 1, 2, 3] if tp == 1 else [2, 3]
+    for reported in estimate(cfg, world, stages=stages):
+        every = [estimate(cfg, world, stages=[reported.stage], rank=r)[0] for r in range(world)]
+        assert reported.peak == max(e.peak for e in every), reported.stage
+        assert reported.total == max(e.total for e in every) and reported.init_peak == max(e.init_peak for e in every)
+        assert len({e.total for e in every}) > 1 or reported.stage == 0  # the shards really are uneven
+
+
 def test_gpt_1p3b_per_stage_formulas():
     cfg = config_from_dict({"model": {"size": "gpt-1.3b"}, "batch": {"global_batch": 64, "micro_batch": 1}})
     e = {r.stage: r for r in estimate(cfg, 8)}

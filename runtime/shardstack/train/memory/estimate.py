@@ -289,7 +289,10 @@ def estimate(cfg: JobConfig, world: int, *, stages: list[int] | None = None, ran
                                   hint="tensor parallelism composes with FSDP2: stages 2 and 3")
         eng = EngineConfig(**{**asdict(cfg.engine), "stage": stage,
                               "offload": cfg.engine.offload if stage >= 2 else "none"})
-        ranks = [rank] if rank is not None else range(world)
+        # FSDP2's Shard(0) gives the first ranks full torch.chunk rows, and tensor parallel splits evenly, so at
+        # stages 0, 2 and 3 rank 0 holds the most of every tensor; ZeroRedundancyOptimizer's partition (stage 1) can
+        # favour any rank.
+        ranks = [rank] if rank is not None else range(world) if stage == 1 else [0]
         per_rank = [estimate_stage(model, eng, stage, world, r, weight_decay=cfg.optimizer.weight_decay,
                                    micro_batch=mb, seq_len=seq_len, accumulation=accum,
                                    optimizer_impl=cfg.optimizer.impl, device_type=device_type) for r in ranks]
