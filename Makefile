@@ -91,7 +91,10 @@ molecule: setup
 e2e: setup
 	SHARDSTACK_E2E=1 pytest -x -s tests/e2e
 
-test: lint unit molecule
+# lint beside the unit tests (-O keeps each one's output together), then molecule: the 45-minute budget on 2 cores.
+test: setup
+	$(MAKE) --no-print-directory -j2 -O lint unit
+	$(MAKE) --no-print-directory molecule
 
 # Benchmarks: `make bench-memory ARGS='--world-size 2'` runs bench/memory.py from the project venv. DeepSpeed is no
 # shardstack dependency: its comparison gets a bench-only venv in the cache, built here once.
