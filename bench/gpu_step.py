@@ -159,6 +159,15 @@ def main() -> int:
     # Checks the script's code paths on CPU with each arch's tiny preset (no figures worth recording).
     ap.add_argument("--smoke-cpu", action="store_true", help=argparse.SUPPRESS)
     args = ap.parse_args()
+    from shardstack.errors import ShardstackError
+    from shardstack.model.factory import arch_config
+
+    for spec in args.models:  # every name checked before anything is measured
+        try:
+            arch_config(model_config(spec, args.seq_len, smoke=False))
+        except (ShardstackError, ValueError, TypeError) as exc:
+            print(f"bench/gpu_step.py: --models {spec!r}: {exc}", file=sys.stderr)
+            return 2
     if args.smoke_cpu:
         args.warmup, args.steps, args.micro_batch, args.seq_len = 1, 1, 2, 32  # add --no-compile to skip inductor
     elif not torch.cuda.is_available():

@@ -9,6 +9,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import torch
 from shardstack.accel import probe
 
 REPO = Path(__file__).resolve().parents[2]
@@ -49,12 +50,9 @@ def test_gpu_step_runs_its_variants_on_cpu_and_refuses_to_measure_there(tmp_path
     assert measured == [("llama3-8b:1", "plain"), ("llama3-8b:1", "stage3"), ("gpt-1.3b", "plain"),
                         ("gpt-1.3b", "stage3")]
     assert all(r["ratios"]["plain"] == 1.0 for r in rows if r.get("summary"))
-    if not torch_cuda_available():
+    bad = subprocess.run([sys.executable, script, "--smoke-cpu", "--models", "llama3-9b"], capture_output=True,
+                         text=True, timeout=120)
+    assert bad.returncode == 2 and "--models 'llama3-9b'" in bad.stderr and "Traceback" not in bad.stderr
+    if not torch.cuda.is_available():
         refused = subprocess.run([sys.executable, script], capture_output=True, text=True, timeout=120)
         assert refused.returncode == 2 and "needs a CUDA GPU" in refused.stderr and refused.stdout == ""
-
-
-def torch_cuda_available() -> bool:
-    import torch
-
-    return torch.cuda.is_available()
