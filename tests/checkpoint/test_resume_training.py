@@ -238,3 +238,43 @@ def test_kill_9_of_a_worker_under_torchrun_restarts_from_the_newest_checkpoint(
     for step in range(restart + 1, last_before + 1):  # the recomputed steps repeat the lost ones exactly
         assert after[step] == pytest.approx(before[step], rel=1e-5), (step, before, after)
     assert [s for s, _ in list_checkpoints(tmp_path / "ckpt")][-1] == total
+
+
+def test_sigterm_to_torchrun_saves_a_checkpoint_at_the_current_step_and_the_next_run_resumes_there(
+    data_dir: Path, tmp_path: Path, key_file: Path, key: SigningKey
+) -> None:
+    """What `systemctl stop` (SIGTERM to torchrun, forwarded to the workers) and `scancel` (SIGTERM to every
+    process of the job) do: the ranks agree on a step, save it and leave with exit code 0; nothing is lost."""
+    data = data_dir
+    total = 400  # far more than the test lets it run: the stop must come from the signal
+    ckpt = tmp_path / "ckpt"
+    config = job(tmp_path, data, ckpt, key_file, world=2, stage=3, total_steps=total)
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2", ENTRY,
+           "--config", str(config)]
+    seen: list[int] = []
+    proc = start_group(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    watchdog = threading.Timer(300, stop_group, [proc])
+    watchdog.start()
+    output = []
+    try:
+        assert proc.stdout is not None
+        for line in proc.stdout:
+            output.append(line)
+            if line.startswith('{"step"'):
+                seen.append(json.loads(line)["step"])
+                if len(seen) == 3 and seen[-1] % INTERVAL:  # between two interval checkpoints
+                    os.kill(proc.pid, signal.SIGTERM)  # the agent only, as systemd's KillMode=mixed does
+        proc.wait(timeout=120)
+    finally:
+        watchdog.cancel()
+        stop_group(proc)
+    text = "".join(output)
+    m = re.search(r"stopping after step (\d+) on SIGTERM", text)
+    assert m, text[-4000:]
+    stopped = int(m.group(1))
+    assert seen[2] <= stopped < total and stopped % INTERVAL, (seen, stopped)
+    assert [s for s, _ in list_checkpoints(ckpt)][-1] == stopped  # saved at the stop, not at the last interval
+    assert verify_checkpoint(ckpt / f"step_{stopped:08d}", key=key).valid
+    again = train(2, job(tmp_path, data, ckpt, key_file, world=2, stage=3, total_steps=10 + stopped))
+    assert resumed_step(again) == stopped
+    assert sorted(losses(again)) == list(range(stopped + 1, stopped + 11))

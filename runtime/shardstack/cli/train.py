@@ -68,7 +68,12 @@ def _run(args: argparse.Namespace) -> int:
         result = train(cfg, args.max_steps)
     finally:
         dist.shutdown()
-    log.info("done: step %d, last loss %.4f", result.final_step, result.losses[-1] if result.losses else float("nan"))
+    if result.stopped_by:
+        log.info("stopped on %s at step %d, last loss %.4f", result.stopped_by, result.final_step,
+                 result.losses[-1] if result.losses else float("nan"))
+    else:
+        log.info("done: step %d, last loss %.4f", result.final_step,
+                 result.losses[-1] if result.losses else float("nan"))
     dist.leave_worker(0)
     return 0
 

@@ -9,7 +9,9 @@ from __future__ import annotations
 import json
 import logging
 import random
+import signal
 import sys
+import threading
 import time
 from dataclasses import dataclass, field
 from typing import Any
@@ -76,6 +78,46 @@ class TrainState:
         self.step = step
 
 
+class StopRequest:
+    """SIGTERM or SIGUSR1 during training: finish the step, save a checkpoint, leave cleanly.
+
+    `systemctl stop` (KillMode=mixed: SIGTERM to torchrun, which forwards it to its workers) and `scancel` (SIGTERM
+    to every process of the job's steps) both end a job this way. The signal reaches ranks at different moments, so
+    after every step the ranks agree with one all-reduce (MAX of a 0/1 flag): all stop after the same step and take
+    part in the same checkpoint save. The handler only sets the flag; nothing runs inside it.
+    """
+
+    SIGNALS = (signal.SIGTERM, signal.SIGUSR1)
+
+    def __init__(self, device: torch.device) -> None:
+        self.device = device
+        self.signal: int | None = None
+        self._previous: dict[int, Any] = {}
+        if threading.current_thread() is threading.main_thread():  # signal.signal works in the main thread only
+            for sig in self.SIGNALS:
+                self._previous[sig] = signal.signal(sig, self._on_signal)
+
+    def _on_signal(self, signum: int, _frame: object) -> None:
+        self.signal = signum
+
+    def agreed(self) -> bool:
+        """True on every rank when any rank has received a stop signal (a collective: every rank calls it)."""
+        import torch.distributed as tdist
+
+        flag = torch.tensor([0 if self.signal is None else 1], dtype=torch.int32, device=self.device)
+        tdist.all_reduce(flag, op=tdist.ReduceOp.MAX)
+        return bool(flag.item())
+
+    @property
+    def name(self) -> str:
+        return signal.Signals(self.signal).name if self.signal is not None else "a signal on another rank"
+
+    def restore(self) -> None:
+        for sig, handler in self._previous.items():
+            signal.signal(sig, handler)
+        self._previous.clear()
+
+
 @dataclass
 class TrainResult:
     steps: list[int] = field(default_factory=list)
@@ -87,6 +129,7 @@ class TrainResult:
     accumulation: int = 0
     memory_measured: dict[str, int] | None = None
     memory_estimated: dict[str, int] | None = None
+    stopped_by: str | None = None  # the signal that ended training early (checkpoint saved), else None
 
 
 def resolve_batch(cfg: JobConfig, world: int, micro: int) -> int:
@@ -171,6 +214,7 @@ def train(cfg: JobConfig, max_steps: int | None = None, *, out=None) -> TrainRes
                  metrics.peak_source)
     result = TrainResult(start_step=start, final_step=start, micro_batch=micro, accumulation=accum)
     rates: list[float] = []
+    stop = StopRequest(info.device)
     try:
         for step in range(start + 1, end + 1):
             t0 = time.perf_counter()
@@ -191,9 +235,16 @@ def train(cfg: JobConfig, max_steps: int | None = None, *, out=None) -> TrainRes
                 _log_memory(cfg, engine, micro, seq_len, accum, result)
             if ckpt:
                 ckpt.maybe_save(step, state)
+            if step < end and stop.agreed():
+                result.stopped_by = stop.name
+                if info.is_main:
+                    log.warning("stopping after step %d on %s: saving a checkpoint, then leaving (a resubmitted or "
+                                "requeued job resumes from it)", step, stop.name)
+                break
         if ckpt:
             ckpt.finish(state.step, state)
     finally:
+        stop.restore()
         metrics.close()
     result.tokens_per_second = sum(rates) / len(rates) if rates else 0.0
     return result
