@@ -16,15 +16,16 @@ APT_PACKAGES := python3-venv python3-dev debootstrap systemd-container apt-cache
 EXTRAS := train,serve,ops,dev
 STAMP := $(VENV)/.installed-$(shell cat pyproject.toml | sha1sum | cut -c1-12)
 
-.PHONY: help setup apt venv demo test lint unit molecule molecule-all e2e gpu-check clean
+.PHONY: help setup apt venv demo test lint unit molecule e2e gpu-check clean
 
 help:
 	@echo "make demo   - set up, boot a 3-node lab, deploy site.yml on it, print a summary"
 	@echo "make test   - set up, lint, unit + distributed + lab tests, molecule, e2e"
 	@echo "make e2e    - the whole cluster on a 3-node lab: deploy, 2-node training, kill a worker, serve (~9 min)"
+	@echo "make molecule - every molecule scenario (default + one per role), MOLECULE_JOBS=$(MOLECULE_JOBS) at a time"
 	@echo "make bench-NAME [ARGS='…'] - run bench/NAME.py with what it needs (e.g. make bench-vs_deepspeed)"
 	@echo "make gpu-check - on a machine with NVIDIA GPUs: preflight, driver/CUDA/torch, NCCL training, serving (< 10 min)"
-	@echo "make lint | unit | molecule | molecule-all | clean"
+	@echo "make lint | unit | clean"
 
 setup: apt venv
 
@@ -53,11 +54,22 @@ lint: setup
 unit: setup
 	pytest -q
 
-molecule: setup
-	molecule test -s default
+# Every scenario: `default` (site.yml on three lab nodes) and one per role. Each boots its own lab, named after the
+# scenario, so MOLECULE_JOBS of them run side by side; the longest start first so the two queues end together.
+# One line per scenario here; the whole output in artifacts/molecule/<scenario>.log (the tail of a failed one below).
+MOLECULE_JOBS ?= 2
+MOLECULE_FIRST := default training_runtime inference_service rdma os_baseline prometheus
+SCENARIOS := $(MOLECULE_FIRST) $(filter-out $(MOLECULE_FIRST),$(patsubst molecule/%/molecule.yml,%,$(wildcard molecule/*/molecule.yml)))
 
-molecule-all: setup
-	molecule test --all
+molecule: setup
+	@rm -rf artifacts/molecule && mkdir -p artifacts/molecule
+	@echo "molecule: $(words $(SCENARIOS)) scenarios, $(MOLECULE_JOBS) at a time"
+	@printf '%s\n' $(SCENARIOS) | xargs -P $(MOLECULE_JOBS) -I{} sh -c 'start=$$(date +%s); \
+	  if molecule test -s {} >artifacts/molecule/{}.log 2>&1; then r=passed; else r=FAILED; touch artifacts/molecule/{}.failed; fi; \
+	  echo "molecule {}: $$r in $$(( $$(date +%s) - start )) s"' ; \
+	for f in artifacts/molecule/*.failed; do [ -e "$$f" ] || continue; s=$$(basename $$f .failed); \
+	  echo "== $$s failed, the end of artifacts/molecule/$$s.log:"; tail -n 60 artifacts/molecule/$$s.log; done; \
+	! ls artifacts/molecule/*.failed >/dev/null 2>&1
 
 # The whole cluster on a 3-node lab; `pytest` alone skips it (SHARDSTACK_E2E unset), so it runs once here.
 e2e: setup

@@ -174,16 +174,16 @@ def test_service_arguments_render() -> None:
 
 
 def test_dcgm_gate_and_counters() -> None:
-    none = {"files": []}
-    skip = role_vars("dcgm_exporter", __dcgm_exporter_pci=none, __dcgm_exporter_devnodes=none)
+    def hw(*pci: str) -> dict:
+        return {"nvidia_pci_functions": list(pci), "nvidia_device_nodes": [], "rdma_devices": []}
+
+    skip = role_vars("dcgm_exporter", shardstack_hardware=hw())
     assert skip["__dcgm_exporter_enabled"] is False
     assert skip["__dcgm_exporter_reason"].startswith("skipped: no NVIDIA GPU found")
-    forced = role_vars("dcgm_exporter", __dcgm_exporter_pci=none, __dcgm_exporter_devnodes=none,
-                      dcgm_exporter_force=True)
+    forced = role_vars("dcgm_exporter", shardstack_hardware=hw(), dcgm_exporter_force=True)
     assert forced["__dcgm_exporter_enabled"] is True
     assert "forced" in forced["__dcgm_exporter_reason"]
-    gpu = role_vars("dcgm_exporter", __dcgm_exporter_pci={"files": [{"path": "a"}, {"path": "b"}]},
-                   __dcgm_exporter_devnodes=none)
+    gpu = role_vars("dcgm_exporter", shardstack_hardware=hw("a", "b"))
     assert gpu["__dcgm_exporter_reason"] == "enabled: 2 NVIDIA PCI device(s)"
     csv = gpu.render("counters.csv.j2")
     rows = [line.split(", ") for line in csv.splitlines() if line and not line.startswith("#")]

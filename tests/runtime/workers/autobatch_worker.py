@@ -1,6 +1,7 @@
 """torchrun worker for tests/runtime/test_autobatch.py: two gloo ranks pick `micro_batch: auto` for ZeRO stage 3
-(FSDP2) and stage 0 (DDP) under per-rank memory budgets. Rank 0 may use anything; rank 1's budget is the least
-under which micro-batch 4's trial fits, found by bisection on its own trial, so 8 runs out of memory there alone.
+(FSDP2) and stage 0 (DDP) under per-rank memory budgets. Rank 0 may use anything; rank 1's budget lies halfway
+between the least under which micro-batch 4's trial fits and the least for 8 (each found by bisection on its own
+trial; halfway, because the heap's slack moves either by a MiB or so), so 8 runs out of memory there alone.
 Each rank prints one JSON line per stage."""
 
 from __future__ import annotations
@@ -16,7 +17,7 @@ from shardstack.train.engine import build_engine
 from shardstack.train.memory import autobatch
 
 # Activations dominate (long sequences, few parameters), so the candidates differ by megabytes.
-MODEL = {"size": "tiny", "n_layer": 2, "n_head": 2, "d_model": 64, "seq_len": 256, "vocab_size": 256}
+MODEL = {"size": "tiny", "n_layer": 2, "n_head": 4, "d_model": 256, "seq_len": 256, "vocab_size": 256}
 
 
 def least_budget(cfg, engine, model, mb: int) -> int:
@@ -39,7 +40,9 @@ def main() -> int:
         budget = 1 << 40
         if info.rank == 1:
             model = autobatch.replica(cfg, engine)
-            budget = least_budget(cfg, engine, model, 4) + (1 << 20)
+            need4, need8 = least_budget(cfg, engine, model, 4), least_budget(cfg, engine, model, 8)
+            assert need8 - need4 > 4 << 20, (need4, need8)  # far enough apart for the heap's slack
+            budget = (need4 + need8) // 2
             alone = {mb: autobatch.try_micro_batch(cfg, engine, model, mb, 256, 256, budget)[0] for mb in (8, 4)}
             assert alone == {8: autobatch.OUT_OF_MEMORY, 4: autobatch.OK}, alone
             del model

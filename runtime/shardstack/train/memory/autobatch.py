@@ -21,6 +21,8 @@ agreed on too and then raised on every rank.
 from __future__ import annotations
 
 import contextlib
+import ctypes
+import ctypes.util
 import logging
 import os
 import resource
@@ -94,6 +96,19 @@ def _vm_data() -> int:
     raise ShardstackError("no VmData in /proc/self/status: the CPU trial's memory limit needs Linux")
 
 
+# glibc's mallopt(M_MMAP_THRESHOLD): allocations at least this large are mmap'd and returned to the kernel when freed.
+_M_MMAP_THRESHOLD, _MMAP_THRESHOLD = -3, 128 << 10
+
+
+def _fixed_mmap_threshold() -> None:
+    """By default glibc raises its mmap threshold (up to 32 MiB) each time a large block is freed, after which tensors
+    are served from heap that an earlier trial left free: VmData would not grow and the limit would not bite. A fixed
+    threshold keeps every tensor-sized block an mmap of its own, so VmData follows what is live."""
+    name = ctypes.util.find_library("c")
+    if name:
+        ctypes.CDLL(name).mallopt(_M_MMAP_THRESHOLD, _MMAP_THRESHOLD)
+
+
 @contextlib.contextmanager
 def _memory_limit(device: torch.device, allowance: int | None) -> Iterator[None]:
     """CPU: refuse allocations beyond `allowance` more bytes (RLIMIT_DATA); CUDA: cap the caching allocator."""
@@ -105,6 +120,7 @@ def _memory_limit(device: torch.device, allowance: int | None) -> Iterator[None]
             torch.cuda.set_per_process_memory_fraction(1.0, device)
         return
     assert allowance is not None
+    _fixed_mmap_threshold()
     soft, hard = resource.getrlimit(resource.RLIMIT_DATA)
     limit = _vm_data() + max(0, allowance)
     resource.setrlimit(resource.RLIMIT_DATA, (limit if hard == resource.RLIM_INFINITY else min(limit, hard), hard))
