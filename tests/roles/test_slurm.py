@@ -3,7 +3,10 @@ gres.conf, cgroup.conf, scheduling.conf and slurmdbd.conf; and the munge key's g
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Any
+
+import yaml
 
 SLURMD_C = ("NodeName=gpu01 CPUs=64 Boards=1 SocketsPerBoard=2 CoresPerSocket=16 ThreadsPerCore=2 "
             "RealMemory=515000 UpTime=3-01:02:03")
@@ -135,3 +138,13 @@ def test_munge_key_generated_once_on_the_controller_or_given(
     assert store.stat().st_mode & 0o077 == 0
     given = "k" * 40
     assert role_eval("munge", debian_container, munge_key=given, munge_key_store=str(store))["__munge_key"] == given
+
+
+def test_credential_stores_are_files_the_inventory_parser_skips() -> None:
+    """Stores live in <inventory>/credentials/: Ansible parses every file under an inventory directory except a few
+    extensions (.txt among them), so `munge.key` became a host named after the key, printed in every play."""
+    roles = Path(__file__).resolve().parents[2] / "roles"
+    stores = {name: value for path in roles.glob("*/defaults/main.yml")
+              for name, value in (yaml.safe_load(path.read_text()) or {}).items() if name.endswith("_store")}
+    assert {"munge_key_store", "slurm_db_password_store", "inference_service_token_store"} <= set(stores)
+    assert all(str(v).endswith(".txt") for v in stores.values()), stores
