@@ -141,5 +141,6 @@ def test_inventory_layout_spreads_cluster_roles() -> None:
     three = group_layout(["a", "b", "c"])
     assert three["train_nodes"] == ["a", "b"] and three["inference_nodes"] == ["b", "c"]
     assert three["loadbalancer"] == three["storage_server"] == three["monitoring_server"] == ["a"]
+    assert three["slurm_controller"] == ["a"]  # slurmctld + slurmdbd on the head node, beside monitoring
     one = group_layout(["a"])
     assert all(members == ["a"] for members in one.values())

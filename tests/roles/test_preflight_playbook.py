@@ -14,7 +14,8 @@ REPO = Path(__file__).resolve().parents[2]
 GROUPS = ["train_nodes", "inference_nodes", "storage_server", "monitoring_server", "loadbalancer"]
 
 
-def _run(tmp_path: Path, groups: list[str], host_vars: dict) -> subprocess.CompletedProcess:
+def _run(tmp_path: Path, groups: list[str], host_vars: dict, playbook_file: str = "preflight.yml",
+         *extra: str) -> subprocess.CompletedProcess:
     inventory = {
         "all": {
             "hosts": {
@@ -33,7 +34,7 @@ def _run(tmp_path: Path, groups: list[str], host_vars: dict) -> subprocess.Compl
     }
     playbook = Path(sys.executable).parent / "ansible-playbook"
     return subprocess.run(
-        [str(playbook), "-i", str(tmp_path / "hosts.yml"), str(REPO / "playbooks" / "preflight.yml")],
+        [str(playbook), "-i", str(tmp_path / "hosts.yml"), str(REPO / "playbooks" / playbook_file), *extra],
         cwd=REPO,
         env=env,
         capture_output=True,
@@ -59,3 +60,20 @@ def test_missing_group_fails(tmp_path: Path, missing: str) -> None:
     proc = _run(tmp_path, [g for g in GROUPS if g != missing], {})
     assert proc.returncode != 0
     assert f"inventory lacks group(s) {missing}" in proc.stdout
+
+
+def test_slurm_scheduler_needs_the_controller_group(tmp_path: Path) -> None:
+    proc = _run(tmp_path, GROUPS, {"shardstack_scheduler": "slurm"})
+    assert proc.returncode != 0
+    assert "slurm_controller" in proc.stdout
+    proc = _run(tmp_path, [*GROUPS, "slurm_controller"], {"shardstack_scheduler": "slurm"})
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+
+
+def test_train_submit_refuses_under_slurm(tmp_path: Path) -> None:
+    """Its systemd units would take the GPUs Slurm hands out: the first task stops it, before any node changes."""
+    proc = _run(tmp_path, GROUPS, {"shardstack_scheduler": "slurm"}, "train_submit.yml",
+                "-e", "train_job_name=j1", "-e", '{"train_job_config": {}}')
+    assert proc.returncode != 0
+    assert "shardstack_scheduler is slurm: submit training jobs with sbatch" in proc.stdout
+    assert "changed=0" in proc.stdout

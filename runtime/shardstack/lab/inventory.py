@@ -10,7 +10,8 @@ from shardstack.lab.state import LabState
 
 
 def group_layout(names: list[str]) -> dict[str, list[str]]:
-    """Spread the cluster roles over the nodes: n1 is the head (storage, monitoring, load balancer).
+    """Spread the cluster roles over the nodes: n1 is the head (storage, monitoring, load balancer, the Slurm
+    controller).
 
     With 3 nodes: training on n1+n2 (a 2-node job), inference on n2+n3 (two backends behind the balancer).
     """
@@ -22,6 +23,8 @@ def group_layout(names: list[str]) -> dict[str, list[str]]:
         "storage_server": names[:1],
         "monitoring_server": names[:1],
         "loadbalancer": names[:1],
+        # slurmctld + slurmdbd: their own group, so a real cluster can put them on a small host of their own.
+        "slurm_controller": names[:1],
     }
 
 

@@ -1,0 +1,150 @@
+"""The slurm role's rendered files: slurm.conf (nodes from slurmd -C, GPUs as GRES, cgroup or container plugins),
+gres.conf, cgroup.conf, scheduling.conf and slurmdbd.conf; and the munge key's generation."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+SLURMD_C = ("NodeName=gpu01 CPUs=64 Boards=1 SocketsPerBoard=2 CoresPerSocket=16 ThreadsPerCore=2 "
+            "RealMemory=515000 UpTime=3-01:02:03")
+
+
+def _lines(text: str) -> list[str]:
+    return [line for line in text.splitlines() if line and not line.startswith("#")]
+
+
+def _node(name: str, addr: str, gpus: list[str], memory: int = 500000) -> dict[str, Any]:
+    return {"name": name, "addr": addr, "cpus": 64, "boards": 1, "sockets_per_board": 2, "cores_per_socket": 16,
+            "threads_per_core": 2, "real_memory": memory, "gpus": gpus}
+
+
+def _cluster(role_eval: Any, facts: dict, *, containers: bool = False, **kw: Any) -> Any:
+    """ops01 is the controller, gpu01 (2 GPUs) and cpu01 (none) the compute nodes, as configure.yml left them."""
+    virt = "container" if containers else "kvm"
+    hostvars = {
+        "ops01": {"ansible_host": "192.0.2.5", "ansible_facts": {"hostname": "ops01", "virtualization_type": virt}},
+        "gpu01": {"ansible_host": "192.0.2.11", "ansible_facts": {"hostname": "gpu01", "virtualization_type": virt},
+                  "__slurm_node": _node("gpu01", "192.0.2.11", ["/dev/nvidia0", "/dev/nvidia1"])},
+        "cpu01": {"ansible_host": "192.0.2.12", "ansible_facts": {"hostname": "cpu01", "virtualization_type": virt},
+                  "__slurm_node": _node("cpu01", "192.0.2.12", [], memory=250000)},
+    }
+    groups = {"all": list(hostvars), "slurm_controller": ["ops01"], "train_nodes": ["gpu01", "cpu01"]}
+    kw.setdefault("inventory_hostname", "ops01")
+    kw.setdefault("slurm_db_password", "s3cret-password-0123")
+    return role_eval("slurm", facts, groups=groups, hostvars=hostvars, **kw)
+
+
+def test_slurm_conf_nodes_gres_and_partition(role_eval: Any, debian_container: dict) -> None:
+    lines = _lines(_cluster(role_eval, debian_container).render("slurm.conf.j2"))
+    assert "SlurmctldHost=ops01(192.0.2.5)" in lines
+    assert "AccountingStorageHost=192.0.2.5" in lines and "AccountingStoragePort=6819" in lines
+    assert "AccountingStorageEnforce=associations,limits,qos" in lines and "AccountingStorageTRES=gres/gpu" in lines
+    assert ("NodeName=gpu01 NodeAddr=192.0.2.11 CPUs=64 Boards=1 SocketsPerBoard=2 CoresPerSocket=16 "
+            "ThreadsPerCore=2 RealMemory=500000 Gres=gpu:2 State=UNKNOWN") in lines
+    cpu_line = next(line for line in lines if line.startswith("NodeName=cpu01"))
+    assert "Gres=" not in cpu_line and "RealMemory=250000" in cpu_line  # CPU-only nodes declare no GRES
+    assert "PartitionName=train Nodes=gpu01,cpu01 Default=YES MaxTime=INFINITE State=UP" in lines
+    assert lines[-1] == "Include /etc/slurm/scheduling.conf"
+
+
+def test_cgroup_plugins_on_real_nodes_linuxproc_in_containers(role_eval: Any, debian_container: dict) -> None:
+    real = _cluster(role_eval, debian_container)
+    assert real["__slurm_cgroup"] is True
+    lines = _lines(real.render("slurm.conf.j2"))
+    assert {"ProctrackType=proctrack/cgroup", "TaskPlugin=task/cgroup,task/affinity",
+            "JobAcctGatherType=jobacct_gather/cgroup"} <= set(lines)
+    assert {"ConstrainCores=yes", "ConstrainRAMSpace=yes", "ConstrainDevices=yes"} <= set(
+        _lines(real.render("cgroup.conf.j2")))
+
+    lab = _cluster(role_eval, debian_container, containers=True)
+    assert lab["__slurm_cgroup"] is False
+    lines = _lines(lab.render("slurm.conf.j2"))
+    assert {"ProctrackType=proctrack/linuxproc", "TaskPlugin=task/affinity"} <= set(lines)
+    assert not any("cgroup" in line for line in lines)
+    assert _lines(lab.render("cgroup.conf.j2")) == ["CgroupPlugin=autodetect"]
+    # Forced on, whatever the nodes are.
+    assert _cluster(role_eval, debian_container, containers=True, slurm_cgroup=True)["__slurm_cgroup"] is True
+
+
+def test_gres_conf_lists_each_gpu_of_gpu_nodes_only(role_eval: Any, debian_container: dict) -> None:
+    lines = _lines(_cluster(role_eval, debian_container).render("gres.conf.j2"))
+    assert lines == ["NodeName=gpu01 Name=gpu File=/dev/nvidia0", "NodeName=gpu01 Name=gpu File=/dev/nvidia1"]
+
+
+def test_this_node_from_slurmd_c_with_memory_headroom_and_gpus_in_numeric_order(
+    role_eval: Any, hardware: Any, debian_container: dict
+) -> None:
+    devs = tuple(f"/dev/nvidia{i}" for i in (10, 2, 0, 1))
+    facts = {**debian_container, "hostname": "gpu01"}
+    r = _cluster(role_eval, facts, inventory_hostname="gpu01", ansible_host="192.0.2.11",
+                 __slurm_hw={"rc": 0, "stdout_lines": [SLURMD_C, "UpTime=1"]},
+                 shardstack_hardware=hardware(devnodes=devs))
+    node = r["__slurm_this_node"]
+    assert {k: int(v) for k, v in node.items() if k not in ("name", "addr", "gpus")} == {
+        "cpus": 64, "boards": 1, "sockets_per_board": 2, "cores_per_socket": 16, "threads_per_core": 2,
+        "real_memory": 515000 - 10300,  # 2 % of 515000 is more than the 1024 MiB floor
+    }
+    assert node["name"] == "gpu01" and node["addr"] == "192.0.2.11"
+    assert node["gpus"] == ["/dev/nvidia0", "/dev/nvidia1", "/dev/nvidia2", "/dev/nvidia10"]
+
+
+def test_this_node_without_slurmd_uses_ansible_facts_and_the_floor(
+    role_eval: Any, hardware: Any, debian_container: dict
+) -> None:
+    facts = {**debian_container, "hostname": "cpu01", "memtotal_mb": 8000, "processor_vcpus": 4,
+             "processor_count": 1, "processor_cores": 4, "processor_threads_per_core": 1}
+    r = _cluster(role_eval, facts, inventory_hostname="cpu01", __slurm_hw={"rc": 2, "stdout_lines": []},
+                 shardstack_hardware=hardware())
+    node = r["__slurm_this_node"]
+    assert int(node["cpus"]) == 4 and int(node["real_memory"]) == 8000 - 1024 and node["gpus"] == []
+
+
+def test_scheduling_conf_requeue_and_priorities(role_eval: Any, debian_container: dict) -> None:
+    r = _cluster(role_eval, debian_container, slurm_extra_config={"MaxJobCount": 20000})
+    lines = _lines(r.render("scheduling.conf.j2"))
+    assert {"JobRequeue=1", "ReturnToService=1", "SlurmdTimeout=300", "KillWait=60",
+            "PriorityWeightFairshare=10000", "SchedulerType=sched/backfill"} <= set(lines)
+    assert lines[-1] == "MaxJobCount=20000"
+
+
+def test_slurmdbd_conf(role_eval: Any, debian_container: dict) -> None:
+    lines = _lines(_cluster(role_eval, debian_container).render("slurmdbd.conf.j2"))
+    assert lines == ["AuthType=auth/munge", "DbdHost=ops01", "DbdPort=6819", "SlurmUser=slurm",
+                     "PidFile=/run/slurmdbd.pid", "StorageType=accounting_storage/mysql", "StorageHost=localhost",
+                     "StorageLoc=slurm_acct_db", "StorageUser=slurm", "StoragePass=s3cret-password-0123"]
+
+
+def test_generated_db_password_is_created_once_owner_only_and_reused(
+    role_eval: Any, debian_container: dict, tmp_path: Any
+) -> None:
+    store = tmp_path / "credentials" / "slurmdbd-db-password.txt"
+    first = _cluster(role_eval, debian_container, slurm_db_password="", slurm_db_password_store=str(store))
+    again = _cluster(role_eval, debian_container, slurm_db_password="", slurm_db_password_store=str(store))
+    assert len(first["__slurm_db_password"]) == 40 and first["__slurm_db_password"].isalnum()
+    assert first["__slurm_db_password"] == again["__slurm_db_password"]
+    assert store.stat().st_mode & 0o077 == 0  # the controller's copy is the owner's only
+
+
+def test_munge_key_generated_once_on_the_controller_or_given(
+    role_eval: Any, debian_container: dict, tmp_path: Any
+) -> None:
+    store = tmp_path / "credentials" / "munge-key.txt"
+    first = role_eval("munge", debian_container, munge_key_store=str(store))["__munge_key"]
+    assert len(first) == 128 and first.isalnum()
+    assert role_eval("munge", debian_container, munge_key_store=str(store))["__munge_key"] == first
+    assert store.stat().st_mode & 0o077 == 0
+    given = "k" * 40
+    assert role_eval("munge", debian_container, munge_key=given, munge_key_store=str(store))["__munge_key"] == given
+
+
+def test_credential_stores_are_files_the_inventory_parser_skips() -> None:
+    """Stores live in <inventory>/credentials/: Ansible parses every file under an inventory directory except a few
+    extensions (.txt among them), so `munge.key` became a host named after the key, printed in every play."""
+    roles = Path(__file__).resolve().parents[2] / "roles"
+    stores = {name: value for path in roles.glob("*/defaults/main.yml")
+              for name, value in (yaml.safe_load(path.read_text()) or {}).items() if name.endswith("_store")}
+    assert {"munge_key_store", "slurm_db_password_store", "inference_service_token_store"} <= set(stores)
+    assert all(str(v).endswith(".txt") for v in stores.values()), stores
