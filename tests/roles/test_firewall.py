@@ -362,3 +362,24 @@ def test_ruleset_applied_in_a_namespace_admits_the_plan_and_drops_the_rest(
     assert table.count("chain input") == 1
     dropped = re.search(r'counter packets (\d+) bytes \d+ comment "dropped"', table)
     assert dropped and int(dropped[1]) >= 3, table
+
+
+def test_slurm_ports_open_only_with_slurm_as_the_scheduler(role_eval: Any, debian_container: dict) -> None:
+    """slurmctld and slurmdbd on the controller, slurmd and srun's step ports on the train nodes: their rules exist
+    only where shardstack_scheduler is slurm, and admit the Slurm hosts (and the admins for the controller's)."""
+    slurm = ("slurmctld/tcp", "slurmd/tcp", "slurmdbd/tcp", "srun/tcp")
+    for host in HOSTVARS:
+        assert not set(slurm) & set(_rules(role_eval, debian_container, host)), host
+    ops01 = _rules(role_eval, debian_container, "ops01", shardstack_scheduler="slurm")
+    gpu01 = _rules(role_eval, debian_container, "gpu01", shardstack_scheduler="slurm")
+    controller, train = "198.51.100.7", ["192.0.2.11", "192.0.2.12"]
+    assert ops01["slurmctld/tcp"] == {"name": "slurmctld", "proto": "tcp", "ports": ["6817"],
+                                      "ipv4": sorted(["192.0.2.31", *train, controller]), "ipv6": []}
+    assert ops01["slurmdbd/tcp"]["ports"] == ["6819"] and ops01["slurmdbd/tcp"]["ipv4"] == ["192.0.2.31", controller]
+    assert ops01["srun/tcp"]["ports"] == gpu01["srun/tcp"]["ports"] == ["60001-60100"]
+    assert gpu01["slurmd/tcp"]["ports"] == ["6818"] and gpu01["slurmd/tcp"]["ipv4"] == sorted(["192.0.2.31", *train])
+    assert "slurmctld/tcp" not in gpu01 and "slurmd/tcp" not in ops01
+    # An inference node takes no part in Slurm.
+    assert not set(slurm) & set(_rules(role_eval, debian_container, "gpu03", shardstack_scheduler="slurm"))
+    moved = _rules(role_eval, debian_container, "ops01", shardstack_scheduler="slurm", slurm_slurmctld_port=7817)
+    assert moved["slurmctld/tcp"]["ports"] == ["7817"]
