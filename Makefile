@@ -11,7 +11,9 @@ export ANSIBLE_CONFIG := $(abspath ansible.cfg)
 # Heavy artifacts (node image, apt cache) live outside the clone so the next run or clone reuses them.
 export SHARDSTACK_CACHE ?= /var/cache/shardstack
 DEBIAN_UNITS := $(SHARDSTACK_CACHE)/debian-units
-UNIT_PACKAGES := prometheus-node-exporter prometheus prometheus-alertmanager haproxy
+UNIT_PACKAGES := prometheus-node-exporter prometheus prometheus-alertmanager haproxy munge slurmctld slurmdbd
+# The stamp names the package list: a cache made for fewer packages is filled again.
+UNITS_KEY := $(shell echo $(UNIT_PACKAGES) | sha1sum | cut -c1-8)
 
 APT_PACKAGES := python3-venv python3-dev debootstrap systemd-container apt-cacher-ng iproute2 openssh-client nftables \
                 util-linux prometheus prometheus-alertmanager haproxy git systemd-journal-remote \
@@ -31,7 +33,7 @@ help:
 	@echo "make gpu-check - on a machine with NVIDIA GPUs: preflight, driver/CUDA/torch, NCCL training, serving (< 10 min)"
 	@echo "make lint | unit | clean"
 
-setup: apt venv $(DEBIAN_UNITS)/.ready
+setup: apt venv $(DEBIAN_UNITS)/.ready-$(UNITS_KEY)
 
 apt:
 	@missing=""; for p in $(APT_PACKAGES); do dpkg-query -W -f='$${Status}' $$p 2>/dev/null | grep -q "ok installed" || missing="$$missing $$p"; done; \
@@ -42,7 +44,7 @@ venv: $(STAMP)
 
 # The unit files of the Debian packages the roles install, which tests/ops/test_unit_security.py scores with the
 # roles' drop-ins (the packages themselves are not installed here).
-$(DEBIAN_UNITS)/.ready:
+$(DEBIAN_UNITS)/.ready-$(UNITS_KEY):
 	rm -rf $(DEBIAN_UNITS).tmp && mkdir -p $(DEBIAN_UNITS).tmp $(DEBIAN_UNITS)
 	cd $(DEBIAN_UNITS).tmp && apt-get download -qq $(UNIT_PACKAGES) && for d in *.deb; do dpkg-deb -x $$d root; done
 	find $(DEBIAN_UNITS).tmp/root -path '*/systemd/system/*.service' -exec cp {} $(DEBIAN_UNITS)/ \;
@@ -71,7 +73,7 @@ unit: setup
 # scenario, so MOLECULE_JOBS of them run side by side; the longest start first so the two queues end together.
 # One line per scenario here; the whole output in artifacts/molecule/<scenario>.log (a failed one's failed tasks below).
 MOLECULE_JOBS ?= 2
-MOLECULE_FIRST := default nvidia_driver training_runtime journal inference_service prometheus firewall loadbalancer os_baseline rdma
+MOLECULE_FIRST := default slurm nvidia_driver training_runtime journal inference_service prometheus firewall loadbalancer os_baseline rdma
 SCENARIOS := $(MOLECULE_FIRST) $(filter-out $(MOLECULE_FIRST),$(patsubst molecule/%/molecule.yml,%,$(wildcard molecule/*/molecule.yml)))
 
 molecule: setup

@@ -111,6 +111,13 @@ CASES = [
          variables={"journal_forward_url": "https://es.example:9200"}),
     Case("artifacts prune", "shardstack-artifacts-prune.service", 3.0, "shared_storage",
          template="shardstack-artifacts-prune.service.j2"),
+    Case("munged (package)", "munge.service", 3.0, "munge", packaged="munge.service", dropins=(HARDENING,)),
+    Case("slurmctld (package)", "slurmctld.service", 3.0, "slurm", packaged="slurmctld.service",
+         dropins=(HARDENING,)),
+    Case("slurmdbd (package)", "slurmdbd.service", 3.0, "slurm", packaged="slurmdbd.service",
+         dropins=(HARDENING,)),
+    Case("Slurm metrics", "shardstack-slurm-metrics.service", 3.0, "slurm",
+         template="shardstack-slurm-metrics.service.j2"),
 ]
 
 
