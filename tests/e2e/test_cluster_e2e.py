@@ -164,7 +164,7 @@ def test_two_node_job_survives_a_killed_worker(lab3: Cluster) -> None:
     killed = run_command(["sh", "-c", script], lab3.inventory, victim, timeout=900)[victim]
     assert killed.success and "killed worker" in killed.stdout, killed
 
-    final = cluster.wait_job(JOB, lab3.inventory, timeout=600)
+    final = train.wait_job(JOB, lab3.inventory, timeout=600)
     assert final.state == "finished", final.to_dict()
     assert final.last_step and final.last_step["step"] == STEPS
     # systemd restarted the agents (fresh rendezvous) and the trainer resumed from a checkpoint, not from scratch.
@@ -423,7 +423,7 @@ def test_drain_stops_a_job_at_a_checkpoint_and_the_resubmit_runs_without_the_nod
             time.sleep(2)
         out = cordon.apply(victim, "drain", lab3.inventory, inv["groups"])
         assert out.stopped_jobs == [name], out.notes
-        final = cluster.wait_job(name, lab3.inventory, timeout=600)
+        final = train.wait_job(name, lab3.inventory, timeout=600)
         # Both agents ended with their workers' exit 0: finished, not failed, and systemd restarted nothing.
         assert final.state == "finished" and all(n.restarts == 0 for n in final.nodes), final.to_dict()
         text = "\n".join(train.logs(name, lab3.inventory, lines=400).values())
@@ -439,7 +439,7 @@ def test_drain_stops_a_job_at_a_checkpoint_and_the_resubmit_runs_without_the_nod
         job["schedule"]["total_steps"] = stopped + 5
         again = train.submit(job, name, lab3.inventory, nodes=1)
         assert again.success, {h: (r.failed_task, r.message) for h, r in again.hosts.items()}
-        resumed = cluster.wait_job(name, lab3.inventory, timeout=600)
+        resumed = train.wait_job(name, lab3.inventory, timeout=600)
         assert resumed.state == "finished" and resumed.last_step["step"] == stopped + 5, resumed.to_dict()
         head_log = train.logs(name, lab3.inventory, lines=400)[head]
         line = next(x for x in head_log.splitlines() if f"step_{stopped:08d}" in x and "resumed from" in x)

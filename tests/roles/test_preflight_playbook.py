@@ -68,12 +68,3 @@ def test_slurm_scheduler_needs_the_controller_group(tmp_path: Path) -> None:
     assert "slurm_controller" in proc.stdout
     proc = _run(tmp_path, [*GROUPS, "slurm_controller"], {"shardstack_scheduler": "slurm"})
     assert proc.returncode == 0, proc.stdout + proc.stderr
-
-
-def test_train_submit_refuses_under_slurm(tmp_path: Path) -> None:
-    """Its systemd units would take the GPUs Slurm hands out: the first task stops it, before any node changes."""
-    proc = _run(tmp_path, GROUPS, {"shardstack_scheduler": "slurm"}, "train_submit.yml",
-                "-e", "train_job_name=j1", "-e", '{"train_job_config": {}}')
-    assert proc.returncode != 0
-    assert "shardstack_scheduler is slurm: submit training jobs with sbatch" in proc.stdout
-    assert "changed=0" in proc.stdout

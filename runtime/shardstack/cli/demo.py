@@ -78,7 +78,7 @@ def _demo(args: argparse.Namespace) -> int:
                                                        f" {last['tokens_per_second']:.0f} tok/s" if last else ""),
                           highlight=False)
 
-        st = cluster.wait_job("demo", inventory, timeout=max(600, args.steps * 5), on_status=show)
+        st = train.wait_job("demo", inventory, timeout=max(600, args.steps * 5), on_status=show)
         if st.state != "finished":
             raise ShardstackError(f"the demo job ended {st.state}", hint="shardstack train logs demo",
                                   exit_code=EXIT_FAILED_HOSTS)

@@ -32,19 +32,25 @@ def register(sub: argparse._SubParsersAction) -> None:
         add_inventory_arg(p)
         p.add_argument("--json", action="store_true", help="print the result as JSON on stdout")
 
-    p = actions.add_parser("submit", help="start a job on the train nodes as shardstack-train@<job> (systemd)")
+    p = actions.add_parser("submit", help="start a job on the train nodes: shardstack-train@<job> units (systemd), "
+                                          "or an sbatch job (Slurm), as the inventory's shardstack_scheduler says")
     p.add_argument("--config", type=Path, required=True, help="job.yaml (validated here first)")
     p.add_argument("--name", help="job name (default: the config file's stem)")
-    p.add_argument("--nodes", type=int, default=None, help="use only the first N train nodes")
+    p.add_argument("--nodes", type=int, default=None,
+                   help="systemd: the first N train nodes; Slurm: N nodes (default: every train node)")
+    p.add_argument("--account", help="Slurm: the account (team) to charge (default: the user's default)")
+    p.add_argument("--qos", help="Slurm: the QOS (default: the account's default)")
+    p.add_argument("--time", dest="time_limit", metavar="LIMIT", help="Slurm: time limit, [days-]hours:minutes:seconds")
     common(p)
     p.set_defaults(func=_submit)
 
-    p = actions.add_parser("status", help="per-node unit state and the newest logged step")
+    p = actions.add_parser("status", help="per-node unit state (Slurm: the job's state, reason, elapsed time) and "
+                                          "the newest logged step")
     p.add_argument("name")
     common(p)
     p.set_defaults(func=_status)
 
-    p = actions.add_parser("stop", help="stop the job on every train node (torchrun stops its workers)")
+    p = actions.add_parser("stop", help="stop the job at a checkpoint: systemctl stop on every train node, or scancel")
     p.add_argument("name")
     common(p)
     p.set_defaults(func=_stop)
@@ -80,9 +86,11 @@ def _run(args: argparse.Namespace) -> int:
 
 def _submit(args: argparse.Namespace) -> int:
     name = train_ops.check_job_name(args.name or args.config.stem.lower().replace(".", "-"))
+    if args.nodes is not None and args.nodes < 1:
+        raise ShardstackError("--nodes must be ≥ 1")
     config = train_ops.load_job(args.config)
-    result = train_ops.submit(config, name, args.inventory, nodes=args.nodes,
-                              on_event=None if args.json else LiveProgress())
+    result = train_ops.submit(config, name, args.inventory, nodes=args.nodes, account=args.account, qos=args.qos,
+                              time_limit=args.time_limit, on_event=None if args.json else LiveProgress())
     if args.json:
         print(json.dumps({"job": name, **result.to_dict()}, indent=2))
     else:
@@ -98,7 +106,18 @@ def _status(args: argparse.Namespace) -> int:
         print(json.dumps(st.to_dict(), indent=2))
         return 0 if st.state != "failed" else 1
     last = st.last_step
-    table = Table(title=f"job {st.job}: {st.state}" + (f", step {last['step']} loss {last['loss']}" if last else ""))
+    title = f"job {st.job}: {st.state}" + (f", step {last['step']} loss {last['loss']}" if last else "")
+    if st.scheduler == "slurm":
+        table = Table(title=title)
+        for col in ("slurm job", "state", "reason", "elapsed", "nodes", "account", "qos"):
+            table.add_column(col)
+        if (j := st.slurm) is not None:
+            table.add_row(j.job_id, j.state, j.reason, j.elapsed, f"{j.nodes} {j.nodelist}".strip(), j.account, j.qos)
+        console.print(table)
+        if j is None:
+            console.print(f"no Slurm job named {st.job} (queued, running, or in the last 30 days' accounting)")
+        return 0 if st.state not in ("failed", "unknown") else 1
+    table = Table(title=title)
     for col in ("host", "state", "result", "agent restarts", "since", "last step"):
         table.add_column(col)
     for n in st.nodes:

@@ -17,7 +17,6 @@ from pathlib import Path
 from typing import Any
 
 from shardstack.errors import ShardstackError
-from shardstack.ops import train as train_ops
 from shardstack.ops.runner import existing_inventory, project_dir, run_command, run_module, tools_on_path
 
 
@@ -90,25 +89,6 @@ def group(inv: dict[str, Any], name: str) -> list[str]:
     if not hosts:
         raise ShardstackError(f"the inventory has no hosts in group {name}")
     return hosts
-
-
-def wait_job(name: str, inventory: Path, timeout: float, *, poll: float = 5.0,
-             on_status=None) -> train_ops.JobStatus:
-    """Poll `train status` until the job has finished (or failed, or the timeout passed)."""
-    deadline = time.monotonic() + timeout
-    seen_running = False
-    while True:
-        st = train_ops.status(name, inventory)
-        if on_status:
-            on_status(st)
-        seen_running |= st.state == "running"
-        # A freshly started unit may not be active yet on every node: "finished" counts only after it ran.
-        if st.state == "failed" or (st.state in ("finished", "stopped") and (seen_running or st.last_step)):
-            return st
-        if time.monotonic() > deadline:
-            raise ShardstackError(f"job {name} still {st.state} after {timeout:.0f}s",
-                                  hint=f"shardstack train logs {name}")
-        time.sleep(poll)
 
 
 @dataclass

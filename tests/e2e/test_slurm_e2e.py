@@ -1,0 +1,198 @@
+"""Training jobs through Slurm, on molecule slurm's cluster (two lab nodes; node1 is also the controller), through
+the Python API `shardstack train` uses (ansible-runner underneath).
+
+A 2-node job queued with `train submit` runs to completion with the losses of the same job on the systemd path, and
+sacct has its usage under its account; a job beyond its QOS stays pending with the QOS reason; a job whose node's
+slurmd is killed is requeued and resumes from its checkpoint; `train stop` ends a job at a checkpoint.
+
+Runs in molecule slurm's verify (SHARDSTACK_SLURM_INVENTORY, ~4 min); a plain `pytest` skips it.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+from shardstack.ops import cluster, train
+from shardstack.ops.runner import run_command, run_playbook
+from shardstack.train.config import config_from_dict
+
+INVENTORY = os.environ.get("SHARDSTACK_SLURM_INVENTORY", "")
+
+pytestmark = [
+    pytest.mark.lab,
+    pytest.mark.slow,
+    pytest.mark.skipif(not INVENTORY, reason="set SHARDSTACK_SLURM_INVENTORY (molecule slurm's verify runs it)"),
+]
+
+
+@pytest.fixture(scope="module")
+def inv() -> Path:
+    return Path(INVENTORY)
+
+
+def _checkpoints(inv: Path, name: str) -> str:
+    shared = cluster.setting(cluster.inventory_hosts(inv), "training_runtime_shared_dir", "training_runtime",
+                             "train_nodes")
+    return f"{shared}/checkpoints/{name}"
+
+
+def _job(inv: Path, name: str, steps: int, interval: int) -> dict[str, Any]:
+    shared = _checkpoints(inv, name).rsplit("/checkpoints/", 1)[0]
+    return config_from_dict({
+        "model": {"size": "tiny"},
+        "data": {"path": f"{shared}/data/corpus"},
+        "engine": {"stage": 3},
+        "schedule": {"warmup_steps": 2, "total_steps": steps},
+        "batch": {"global_batch": 4, "micro_batch": 2},
+        "checkpoint": {"dir": _checkpoints(inv, name), "interval": interval},
+        "metrics": {"port": 0, "log_every": 1},
+    }).to_dict()
+
+
+def _losses(texts: dict[str, str]) -> dict[int, float]:
+    """step → loss from the JSON step lines rank 0 logged (on one node of the job)."""
+    out: dict[int, float] = {}
+    for text in texts.values():
+        for line in text.splitlines():
+            if (start := line.find('{"')) >= 0:
+                try:
+                    rec = json.loads(line[start:])
+                except ValueError:
+                    continue
+                if isinstance(rec, dict) and isinstance(rec.get("step"), int) and "loss" in rec:
+                    out[rec["step"]] = rec["loss"]
+    return out
+
+
+def _journal(inv: Path, job: str, since: float, grep: str) -> str:
+    """The job's journal lines on every train node since `since` (epoch seconds) that match `grep`."""
+    res = run_command(["journalctl", "--identifier", train.identifier(job), "--since", f"@{int(since)}", "--no-pager",
+                       "-o", "cat", "--grep", grep], inv, "train_nodes")
+    return "\n".join(r.stdout for r in res.values() if r.success)  # rc 1: no line matched there
+
+
+def _fresh(inv: Path, *jobs: str) -> None:
+    """No checkpoint left from an earlier run of this module on the same lab: every job starts at step 0."""
+    for job in jobs:
+        assert run_command(["rm", "-rf", _checkpoints(inv, job)], inv, "node1")["node1"].success
+
+
+def _controller(inv: Path, argv: list[str]) -> str:
+    res = next(iter(run_command(argv, inv, train.SLURM_CONTROLLER).values()))
+    assert res.success, (argv, res)
+    return res.stdout
+
+
+def _scontrol_job(inv: Path, job_id: str) -> dict[str, str]:
+    text = _controller(inv, ["scontrol", "show", "job", "--oneliner", job_id])
+    return dict(kv.split("=", 1) for kv in text.split() if "=" in kv)
+
+
+def _wait(what: str, check, timeout: float = 300, poll: float = 2.0):
+    deadline = time.monotonic() + timeout
+    while not (value := check()):
+        assert time.monotonic() < deadline, f"timed out waiting for {what}"
+        time.sleep(poll)
+    return value
+
+
+def test_a_2_node_job_through_slurm_has_the_systemd_paths_losses_and_its_usage_in_sacct(inv: Path) -> None:
+    assert train.scheduler(inv) == "slurm"
+    _fresh(inv, "ref", "slurm-2n")
+    steps = 12
+    # The systemd path on the same nodes first (the two would share the head's rendezvous port): the playbook
+    # `train submit` runs, told the scheduler is systemd.
+    ref = run_playbook("playbooks/train_submit.yml", inv, extravars={
+        "train_job_name": "ref", "train_job_config": _job(inv, "ref", steps, steps), "shardstack_scheduler": "systemd"})
+    assert ref.success, {h: (r.failed_task, r.message) for h, r in ref.hosts.items()}
+
+    def ref_done() -> bool:
+        shown = run_command(["systemctl", "show", train.unit("ref"), "-p", "ActiveState", "--value"], inv,
+                            "train_nodes")
+        return all(r.success and r.stdout.strip() in ("inactive", "failed") for r in shown.values())
+
+    _wait("the systemd job", ref_done)
+    results = run_command(["systemctl", "show", train.unit("ref"), "-p", "Result", "--value"], inv, "train_nodes")
+    assert {r.stdout.strip() for r in results.values()} == {"success"}, results
+    ref_losses = _losses({h: r.stdout for h, r in run_command(
+        ["journalctl", "-u", train.unit("ref"), "-o", "cat", "--no-pager"], inv, "train_nodes").items()})
+
+    sub = train.submit(_job(inv, "slurm-2n", steps, steps), "slurm-2n", inv, nodes=2, account="product")
+    assert sub.success, {h: (r.failed_task, r.message) for h, r in sub.hosts.items()}
+    st = train.wait_job("slurm-2n", inv, timeout=600, poll=3)
+    assert st.state == "finished" and st.slurm is not None, st.to_dict()
+    assert (st.slurm.state, st.slurm.nodes, st.slurm.account) == ("COMPLETED", 2, "product"), st.to_dict()
+    losses = _losses(train.logs("slurm-2n", inv, lines=400))
+    assert sorted(losses) == list(range(1, steps + 1)) and losses == ref_losses, (losses, ref_losses)
+
+    usage = _controller(inv, ["sacct", "--noheader", "--parsable2", "--allocations", "--jobs", st.slurm.job_id,
+                              "--format", "Account,User,State,NNodes,ElapsedRaw,CPUTimeRAW,AllocTRES"]).strip()
+    account, user, state, nnodes, elapsed, cputime, tres = usage.split("|")
+    assert (account, user, state, nnodes) == ("product", "shardstack", "COMPLETED", "2"), usage
+    assert int(elapsed) > 0 and int(cputime) >= 2 * int(elapsed) and "node=2" in tres, usage
+    print(f"\nslurm: 2-node job {st.slurm.job_id} completed, {steps} steps, losses equal to the systemd path's "
+          f"(last {losses[steps]}); sacct: {usage}")
+
+
+def test_a_job_beyond_its_qos_stays_pending_with_the_qos_reason(inv: Path) -> None:
+    sub = train.submit(_job(inv, "over-qos", 4, 4), "over-qos", inv, nodes=2, qos="small")  # small: 1 node a job
+    assert sub.success, {h: (r.failed_task, r.message) for h, r in sub.hosts.items()}
+    st = _wait("the QOS reason", lambda: (s := train.status("over-qos", inv)).slurm
+               and s.slurm.reason == "QOSMaxNodePerJobLimit" and s)
+    assert st.state == "pending" and st.slurm.state == "PENDING" and st.slurm.qos == "small", st.to_dict()
+    assert all(train.stop("over-qos", inv).values())
+    done = _wait("the cancel", lambda: (s := train.status("over-qos", inv)).state == "stopped" and s)
+    print(f"\nslurm: 2 nodes with QOS small: {st.slurm.state} ({st.slurm.reason}); stop → {done.slurm.state}")
+
+
+def test_a_killed_slurmd_requeues_the_job_which_resumes_from_its_checkpoint(inv: Path) -> None:
+    name = "slurm-requeue"
+    _fresh(inv, name)
+    started = time.time()
+    sub = train.submit(_job(inv, name, 100_000, 20), name, inv, nodes=2, account="research")
+    assert sub.success, {h: (r.failed_task, r.message) for h, r in sub.hosts.items()}
+    st = _wait("step 25", lambda: (s := train.status(name, inv)).last_step and s.last_step["step"] >= 25 and s,
+               timeout=600)
+    job_id = st.slurm.job_id
+    # slurmd alone (KillMode=process leaves the job's processes): the controller hears nothing from the node for
+    # SlurmdTimeout, sets it DOWN and requeues its job.
+    killed_at = time.monotonic()
+    killed = run_command(["systemctl", "kill", "--kill-whom=main", "--signal=KILL", "slurmd.service"], inv, "node2")
+    assert killed["node2"].success, killed
+    job = _wait("the requeue", lambda: (j := _scontrol_job(inv, job_id))["Restarts"] != "0" and j, timeout=180)
+    requeued_after = time.monotonic() - killed_at
+    assert job["JobState"] in ("COMPLETING", "PENDING", "REQUEUED", "CONFIGURING", "RUNNING"), job
+    restarted = run_command(["systemctl", "start", "slurmd.service"], inv, "node2")
+    assert restarted["node2"].success, restarted
+
+    def resumed() -> int | None:
+        found = re.findall(r"resumed from \S*/step_(\d+) ", _journal(inv, name, started, "resumed from"))
+        last = train.status(name, inv).last_step
+        return int(found[-1]) if found and last and last["step"] > int(found[-1]) + 3 else None
+
+    from_step = _wait("the resumed run's steps", resumed, timeout=300)
+    # The surviving node's ranks got SIGTERM when the job was ended; the lost node's still answered, so together
+    # they saved a checkpoint at the step they stopped after, and the requeued run starts there.
+    saved = re.findall(r"stopping after step (\d+)", _journal(inv, name, started, "stopping after step"))
+    assert from_step >= 20 and saved and from_step == int(saved[0]), (from_step, saved)
+    runs = _controller(inv, ["sacct", "--noheader", "--parsable2", "--allocations", "--duplicates", "--jobs", job_id,
+                             "--format", "State,NodeList"]).split()
+    assert runs[0].startswith("NODE_FAIL|") and runs[-1].startswith("RUNNING|"), runs
+
+    stop_at = time.time()
+    assert all(train.stop(name, inv).values())
+    final = train.wait_job(name, inv, timeout=300, poll=3)
+    assert final.state == "stopped", final.to_dict()
+    text = _journal(inv, name, stop_at, "stopping after step")
+    stopped = int(re.findall(r"stopping after step (\d+) on (?:SIGTERM|a signal on another rank)", text)[-1])
+    manifest = f"{_checkpoints(inv, name)}/step_{stopped:08d}/manifest.json"
+    assert run_command(["test", "-s", manifest], inv, "node1")["node1"].success, manifest
+    print(f"\nslurm: slurmd killed on node2 at step {st.last_step['step']}; job {job_id} requeued after "
+          f"{requeued_after:.0f}s (runs: {' → '.join(runs)}), resumed from step {from_step}; "
+          f"train stop → stopped at step {stopped} with a checkpoint, {final.slurm.state}")

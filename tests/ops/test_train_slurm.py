@@ -1,0 +1,168 @@
+"""`shardstack train` under Slurm, the parts that need no cluster: squeue/sacct output read into a job state, the
+options checked before anything runs, and the batch script the role writes (molecule slurm runs it for real)."""
+
+from __future__ import annotations
+
+import re
+import subprocess
+from pathlib import Path
+
+import pytest
+import yaml
+from shardstack.errors import ShardstackError
+from shardstack.ops import train
+from shardstack.ops.train import JobStatus, SlurmJob, parse_slurm_job
+
+from .conftest import render
+
+
+def test_the_newest_job_of_squeue_or_sacct_output() -> None:
+    text = ("41|COMPLETED|None|00:01:10|2|node[1-2]|product|normal|2026-12-01T23:29:37\n"
+            "junk line\n"
+            "43|PENDING|QOSMaxNodePerJobLimit|00:00:00|2||research|small|N/A\n"
+            "42|CANCELLED by 0|None|00:00:09|1|node1|research|normal|2026-12-01T23:31:02\n")
+    newest = parse_slurm_job(text)
+    assert newest == SlurmJob("43", "PENDING", "QOSMaxNodePerJobLimit", "00:00:00", 2, "", "research", "small", "N/A")
+    assert parse_slurm_job("") is None and parse_slurm_job("JobID|State\n") is None
+    # The journal is read from the current run's start: none while pending (a start time then is an estimate).
+    assert newest.started is None
+    assert parse_slurm_job(text.splitlines()[0]).started == "2026-12-01 23:29:37"
+    assert SlurmJob("7", "PENDING", "Priority", "0:00", 2, "", "a", "q", "2026-12-02T01:00:00").started is None
+
+
+@pytest.mark.parametrize(("state", "want"), [
+    ("PENDING", "pending"), ("REQUEUED", "pending"), ("CONFIGURING", "pending"),
+    ("RUNNING", "running"), ("COMPLETING", "running"),
+    ("COMPLETED", "finished"), ("CANCELLED by 0", "stopped"), ("CANCELLED+", "stopped"),
+    ("FAILED", "failed"), ("NODE_FAIL", "failed"), ("TIMEOUT", "failed"), ("OUT_OF_MEMORY", "failed"),
+])
+def test_slurm_states_read_as_the_systemd_paths(state: str, want: str) -> None:
+    st = JobStatus("j", scheduler="slurm", slurm=SlurmJob("7", state, "None", "00:00:01", 2, "n[1-2]", "a", "q"))
+    assert st.state == want
+    assert st.to_dict()["slurm"]["state"] == state and st.to_dict()["scheduler"] == "slurm"
+
+
+def test_no_slurm_job_of_that_name_is_unknown_and_steps_come_from_the_journals() -> None:
+    assert JobStatus("j", scheduler="slurm").state == "unknown"
+    st = JobStatus("j", scheduler="slurm", steps={"n1": {"step": 40, "loss": 2.0}, "n2": {"step": 12, "loss": 3.0}})
+    assert st.last_step == {"step": 40, "loss": 2.0}
+
+
+def _inventory(tmp_path: Path, scheduler: str) -> Path:
+    path = tmp_path / "hosts.yml"
+    path.write_text(yaml.safe_dump({"all": {
+        "vars": {"shardstack_scheduler": scheduler},
+        "children": {"train_nodes": {"hosts": {"t1": {"ansible_host": "192.0.2.1"}}},
+                     "slurm_controller": {"hosts": {"t1": {}}}}}}))
+    return path
+
+
+def test_the_scheduler_is_the_inventorys(tmp_path: Path) -> None:
+    assert train.scheduler(_inventory(tmp_path, "slurm")) == "slurm"
+    with pytest.raises(ShardstackError, match="shardstack_scheduler is 'cron'"):
+        train.scheduler(_inventory(tmp_path, "cron"))
+
+
+@pytest.mark.parametrize(("scheduler", "options", "message"), [
+    ("systemd", {"account": "research"}, r"--account need Slurm; this cluster's shardstack_scheduler is systemd"),
+    ("systemd", {"qos": "high", "time_limit": "1:00:00"}, r"--qos/--time need Slurm"),
+    ("slurm", {"qos": "high; rm -rf /"}, r"--qos 'high; rm -rf /' is not valid"),
+    ("slurm", {"account": "-x"}, r"--account '-x' is not valid"),
+    ("slurm", {"time_limit": "forever"}, r"--time 'forever' is not valid"),
+])
+def test_slurm_options_are_checked_before_anything_runs(tmp_path: Path, scheduler: str, options: dict,
+                                                         message: str) -> None:
+    with pytest.raises(ShardstackError, match=message):
+        train.submit({}, "job", _inventory(tmp_path, scheduler), **options)
+
+
+def test_slurm_names_and_time_limits() -> None:
+    assert all(train.SLURM_TIME.match(t) for t in ("30", "2:00:00", "1-12:00:00", "90:00"))
+    assert not any(train.SLURM_TIME.match(t) for t in ("", "1h", "1-", "12:0:00"))
+    assert train.SLURM_NAME.match("team_a.prod-1") and not train.SLURM_NAME.match("-x")
+
+
+SBATCH_VARS = {"training_runtime_job_name": "run1", "training_runtime_user": "shardstack"}
+
+
+def test_the_batch_script_is_bash_and_runs_one_torchrun_agent_per_node(tmp_path: Path) -> None:
+    text = render("training_runtime", "job.sbatch.j2", **SBATCH_VARS)
+    script = tmp_path / "run1.sbatch"
+    script.write_text(text)
+    assert text.startswith("#!/bin/bash\n")
+    assert subprocess.run(["bash", "-n", str(script)], capture_output=True, text=True).returncode == 0
+    # The command srun runs on every node is a script of its own: bash must read it too.
+    inner = re.search(r"/bin/bash -c '(.*)'\s*$", text, re.S)
+    assert inner, text
+    assert subprocess.run(["bash", "-n", "-c", inner.group(1)], capture_output=True, text=True).returncode == 0
+    assert "exec srun --kill-on-bad-exit=1 --ntasks-per-node=1 " in text
+    argv = inner.group(1)
+    for part in ("set -a; . /etc/shardstack/train.env; set +a",
+                 "exec systemd-cat --identifier=shardstack-train-run1",
+                 "/opt/shardstack/venv/bin/torchrun",
+                 '--nnodes="$SLURM_JOB_NUM_NODES" --nproc-per-node="${SLURM_GPUS_ON_NODE:-1}"',
+                 '--rdzv-endpoint="$SHARDSTACK_RDZV_ENDPOINT" --rdzv-id="$SHARDSTACK_RDZV_ID"',
+                 "--max-restarts=0",
+                 "-m shardstack train run --config /etc/shardstack/jobs/run1.yaml"):
+        assert part in argv, part
+    # The rendezvous: on the job's first node, a fresh id for every run (a requeue is another run).
+    assert 'SHARDSTACK_RDZV_ENDPOINT="${head_addr}:29400"' in text
+    assert 'SHARDSTACK_RDZV_ID="${SLURM_JOB_ID}-${SLURM_RESTART_COUNT:-0}"' in text
+    assert train.identifier("run1") == "shardstack-train-run1"
+
+
+SUBMIT = yaml.safe_load((Path(__file__).resolve().parents[2] / "playbooks" / "train_submit.yml").read_text())
+GROUPS = {"train_nodes": ["t1", "t2", "t3"], "all": ["t1", "t2", "t3"]}
+
+
+def _value(expression: str, **variables) -> object:
+    from ansible.template import trust_as_template
+
+    from .conftest import _templar
+
+    return _templar("training_runtime", {"groups": GROUPS, **variables}).template(trust_as_template(expression))
+
+
+@pytest.mark.parametrize(("variables", "hosts"), [
+    ({}, "t1,t2,t3"),
+    ({"train_job_nodes": 1}, "t1"),
+    ({"train_job_exclude": ["t1"], "train_job_nodes": 1}, "t2"),
+    # Slurm places the job: every eligible node gets its config, sbatch asks for the number of nodes.
+    ({"shardstack_scheduler": "slurm", "train_job_nodes": 1}, "t1,t2,t3"),
+    ({"shardstack_scheduler": "slurm", "train_job_exclude": ["t2"]}, "t1,t3"),
+    ({"train_job_exclude": ["t1", "t2", "t3"]}, "train_nodes:!all"),
+])
+def test_the_submit_play_runs_on_the_nodes_its_scheduler_needs(variables: dict, hosts: str) -> None:
+    assert _value(SUBMIT[1]["hosts"], **variables) == hosts
+
+
+def test_the_slurm_job_asks_for_its_nodes_gpus_and_excludes_cordoned_ones_by_address() -> None:
+    slurm = next(t for t in SUBMIT[1]["tasks"] if t["ansible.builtin.include_role"]["tasks_from"] == "slurm_job.yml")
+    given = slurm["vars"]
+    hostvars = {"t1": {"ansible_host": "192.0.2.1", "shardstack_hardware": {"nvidia_gpu_functions": [1, 2, 3, 4]}},
+                "t2": {"shardstack_hardware": {"nvidia_gpu_functions": [1, 2]}},
+                "t3": {"ansible_host": "192.0.2.3", "shardstack_hardware": {"nvidia_gpu_functions": []}}}
+    play = {"ansible_play_hosts_all": ["t1", "t2"], "hostvars": hostvars}
+    assert int(_value(given["training_runtime_slurm_nodes"], **play)) == 2
+    assert int(_value(given["training_runtime_slurm_nodes"], train_job_nodes=1, **play)) == 1
+    assert int(_value(given["training_runtime_slurm_gpus_per_node"], **play)) == 2  # the node with the fewest
+    assert _value(given["training_runtime_slurm_exclude"], train_job_exclude=["t3", "t2"], **play) == \
+        ["t3", "t2", "192.0.2.3"]
+    assert _value(given["training_runtime_slurm_account"], train_job_account="research", **play) == "research"
+
+
+def test_slurm_jobs_are_the_training_users(tmp_path: Path) -> None:
+    """squeue, sacct and scancel look at the training user's jobs: training_runtime_user, whose role default is
+    shardstack_common's shardstack_user (a template no play resolves here)."""
+    roles = Path(__file__).resolve().parents[2] / "roles"
+    default = yaml.safe_load((roles / "training_runtime" / "defaults" / "main.yml").read_text())
+    assert default["training_runtime_user"] == "{{ shardstack_user }}"
+    inventory = _inventory(tmp_path, "slurm")
+    assert train._job_user(inventory) == "shardstack"
+    data = yaml.safe_load(inventory.read_text())
+    data["all"]["vars"]["shardstack_user"] = "svc"
+    inventory.write_text(yaml.safe_dump(data))
+    assert train._job_user(inventory) == "svc"
+    data["all"]["vars"]["training_runtime_user"] = "trainer"
+    inventory.write_text(yaml.safe_dump(data))
+    assert train._job_user(inventory) == "trainer"
