@@ -50,7 +50,8 @@ def add_run_args(p: argparse.ArgumentParser, *, tags: bool = True) -> None:
         p.add_argument("--check", action="store_true", help="dry run: report what would change")
     p.add_argument("--limit", help="only these hosts or groups")
     p.add_argument("-e", "--extra-vars", action="append", default=[], metavar="KEY=VALUE",
-                   help="extra variable (repeatable), e.g. -e training_runtime_wheelhouse_src=/path")
+                   help="extra variable (repeatable), a literal value, never a template, e.g. "
+                        "-e training_runtime_wheelhouse_src=/path")
     p.add_argument("--json", action="store_true", help="print the result as JSON on stdout")
 
 

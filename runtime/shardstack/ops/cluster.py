@@ -147,8 +147,7 @@ def place_model(inventory: Path, local_dir: Path, *, become: bool = True) -> str
     inv = inventory_hosts(inventory)
     head = group(inv, "train_nodes")[0]
     dest = f"{shared_dir(inv)}/pretrained/{local_dir.name}"
-    args = (f"src={shlex.quote(str(local_dir) + '/')} dest={shlex.quote(dest + '/')} "
-            "mode=u=rwX,go=rX directory_mode=0755")
+    args = {"src": f"{local_dir}/", "dest": f"{dest}/", "mode": "u=rwX,go=rX", "directory_mode": "0755"}
     res = run_module("ansible.builtin.copy", args, inventory, head, become=become)
     if head not in res or not res[head].success:
         msg = res[head].message if head in res else "no result"

@@ -2,18 +2,24 @@
 
 This is the Python API the CLI is built on: `run_playbook("site.yml", inventory)` → `RunResult` with per-host
 ok/changed/failed counts and, for each failed host, the task and message that failed.
+
+No value passed through here is ever a template (docs/design.md, "Security conventions"): extra variables and
+module arguments reach Ansible marked unsafe (`inert`), so names, paths, grep patterns and job configs arrive
+literally however many `{{`, `{%` or `{#` they hold; the one string Ansible would render that cannot be marked, an
+ad-hoc host pattern, is refused if it holds a template marker.
 """
 
 from __future__ import annotations
 
 import contextlib
+import json
 import os
 import re
 import shutil
 import sys
 import time
 import uuid
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
@@ -117,6 +123,68 @@ def _private_dir(parent: Path, keep: int = KEEP_RUNS) -> Path:
     return path
 
 
+# What makes Jinja act on a string: expressions, statements, comments.
+TEMPLATE_MARKERS = ("{{", "{%", "{#")
+# ansible-core's JSON form of an unsafe string: its JSON decoder (used for extra-vars files and ad-hoc `-a` JSON)
+# loads {"__ansible_unsafe": s} as an unsafe (2.17/2.18) or untrusted (2.19+) string, which is never templated.
+# YAML's `!unsafe` would do the same but 2.19 re-resolves the tagged scalar, turning "0755" into 493 and "true" into
+# True; JSON keeps every type as given.
+_UNSAFE = "__ansible_unsafe"
+
+
+def _refuse_template(value: str, what: str) -> str:
+    if any(m in value for m in TEMPLATE_MARKERS):
+        # One line, no hint: the message says what to change.
+        raise ShardstackError(f"{what} {value!r} contains a template marker ({{{{, {{% or {{#), which Ansible would "
+                              "evaluate: no user string is ever a template, pass it without one")
+    return value
+
+
+def _inert_value(value: Any, where: str) -> Any:
+    if isinstance(value, os.PathLike):
+        value = os.fspath(value)
+    if isinstance(value, str):
+        return {_UNSAFE: value}
+    if value is None or isinstance(value, (bool, int, float)):
+        return value
+    if isinstance(value, Mapping):
+        out = {}
+        for key, item in value.items():
+            if not isinstance(key, str):
+                raise TypeError(f"{where}: key {key!r} is not a string")
+            # JSON cannot mark a key unsafe: a key Ansible might render, or one its decoder reads as a marker
+            # (__ansible_unsafe, __ansible_vault), is refused instead.
+            _refuse_template(key, f"{where}: key")
+            if key.startswith("__ansible_"):
+                raise ShardstackError(f"{where}: key {key!r} is reserved by Ansible")
+            out[key] = _inert_value(item, f"{where}.{key}")
+        return out
+    if isinstance(value, (list, tuple)):
+        return [_inert_value(item, f"{where}[{i}]") for i, item in enumerate(value)]
+    raise TypeError(f"{where}: {type(value).__name__} cannot be passed to Ansible")
+
+
+def inert(variables: Mapping[str, Any], what: str = "extra variable") -> dict[str, Any]:
+    """`variables` (names → JSON-like values) in ansible-core's JSON with every string, however deep, marked unsafe:
+    Ansible uses them as values and never renders them. Names must be identifiers (a variable's or an option's)."""
+    out = {}
+    for name, value in variables.items():
+        if not isinstance(name, str) or not name.isidentifier():
+            raise ShardstackError(f"{what} name {name!r} is not an identifier")
+        out[name] = _inert_value(value, name)
+    return out
+
+
+def _write_extravars(private_dir: Path, inert_vars: dict[str, Any]) -> None:
+    """env/extravars, which ansible-runner passes as `-e @file`: written here, already `inert`, rather than through
+    runner's extravars= (plain JSON, so every string would be a template). Owner-only: it may carry secrets."""
+    env = private_dir / "env"
+    env.mkdir(exist_ok=True)
+    fd = os.open(env / "extravars", os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+    with os.fdopen(fd, "w") as f:
+        json.dump(inert_vars, f)
+
+
 def existing_inventory(inventory: Path) -> Path:
     inventory = inventory.resolve()
     if not inventory.exists():
@@ -169,9 +237,9 @@ def run_playbook(
     if not book.is_file():
         raise ShardstackError(f"no playbook {playbook!r} in {root}")
     inventory = existing_inventory(inventory)
+    inert_vars = inert(extravars or {})  # before the run directory: a refused value leaves nothing behind
     artifacts = _private_dir(artifacts or state_dir() / "runs")
-    cmdline = " ".join(x for x in ("--check --diff" if check else "", f"--skip-tags {skip_tags}" if skip_tags else "")
-                       if x)
+    _write_extravars(artifacts, inert_vars)
     hosts: dict[str, HostResult] = {}
     published: dict[str, Any] = {}
 
@@ -197,9 +265,9 @@ def run_playbook(
         playbook=str(book),
         inventory=str(inventory),
         tags=tags,
+        skip_tags=skip_tags,  # as one argument: a cmdline string would be split into options
         limit=limit,
-        cmdline=cmdline or None,
-        extravars=extravars or {},
+        cmdline="--check --diff" if check else None,
         envvars={**_ansible_env(root), "ANSIBLE_ROLES_PATH": str(root / "roles")},
         event_handler=handle,
         quiet=True,
@@ -241,16 +309,15 @@ def run_command(
     artifacts: Path | None = None,
     timeout: int | None = None,
 ) -> dict[str, CommandResult]:
-    """Run one command on every host matching `pattern` (ansible-runner's ad-hoc mode) → per-host results."""
-    import shlex
-
-    return run_module("ansible.builtin.command", shlex.join(argv), inventory, pattern, become=become,
+    """Run one command on every host matching `pattern` (ansible-runner's ad-hoc mode) → per-host results. `argv`
+    reaches the host as given: no shell, no template."""
+    return run_module("ansible.builtin.command", {"argv": list(argv)}, inventory, pattern, become=become,
                       artifacts=artifacts, timeout=timeout)
 
 
 def run_module(
     module: str,
-    module_args: str,
+    module_args: Mapping[str, Any],
     inventory: Path,
     pattern: str,
     *,
@@ -258,9 +325,16 @@ def run_module(
     artifacts: Path | None = None,
     timeout: int | None = None,
 ) -> dict[str, CommandResult]:
-    """Run one Ansible module (e.g. ansible.builtin.copy) on every host matching `pattern` → per-host results."""
+    """Run one Ansible module (e.g. ansible.builtin.copy) with these options on every host matching `pattern` →
+    per-host results. The options reach the module literally (as `-a` JSON, every string unsafe); the pattern, which
+    ad-hoc mode renders and nothing can mark, may hold no template marker."""
     import ansible_runner
 
+    if not re.fullmatch(r"[A-Za-z_][\w.]*", module):
+        raise ShardstackError(f"module {module!r} is not a module name")
+    _refuse_template(pattern, "host pattern")
+    # Valid JSON always: ad-hoc mode falls back to k=v parsing (templated) for a `-a` that does not parse.
+    args = json.dumps(inert(module_args, "module option"))
     root = project_dir()
     inventory = existing_inventory(inventory)
     artifacts = _private_dir(artifacts or state_dir() / "adhoc")
@@ -279,7 +353,7 @@ def run_module(
 
     ansible_runner.run(
         private_data_dir=str(artifacts), host_pattern=pattern, inventory=str(inventory),
-        module=module, module_args=module_args,
+        module=module, module_args=args,
         cmdline="--become" if become else None, timeout=timeout,
         envvars=_ansible_env(root),
         event_handler=handle, quiet=True,
