@@ -32,7 +32,7 @@ SAVE = textwrap.dedent("""
         def state_dict(self): return {"model": model.state_dict()}
         def load_state_dict(self, sd): raise AssertionError
     cfg = CheckpointConfig(dir=sys.argv[1], interval=1, keep=1, resume="never", signing_key_file=sys.argv[3])
-    Checkpointer(cfg, config_hash="bench", job_config={"model": config.to_dict()}).save(1, Weights())
+    Checkpointer(cfg, config_hash="bench", job="bench", job_config={"model": config.to_dict()}).save(1, Weights())
 """)
 
 EXPORT = textwrap.dedent("""

@@ -75,10 +75,13 @@ def key(key_file: Path) -> SigningKey:
 
 
 def make_checkpointer(root: Path, key_file: Path | None, **overrides) -> Checkpointer:
-    """A Checkpointer on `root` signing with `key_file` (None: require_signature false)."""
+    """A Checkpointer of job `job` (default test-job) with `config_hash` (default cafe) on `root`, signing with
+    `key_file` (None: require_signature false); other overrides are CheckpointConfig fields."""
     cfg = CheckpointConfig(dir=str(root), interval=2, keep=3, signing_key_file=str(key_file or "/nonexistent"),
                            require_signature=key_file is not None)
-    return Checkpointer(dataclasses.replace(cfg, **overrides), config_hash="cafe", stage=3,
+    job = overrides.pop("job", "test-job")
+    config_hash = overrides.pop("config_hash", "cafe")
+    return Checkpointer(dataclasses.replace(cfg, **overrides), config_hash=config_hash, job=job, stage=3,
                         job_config={"model": TINY.to_dict()})
 
 

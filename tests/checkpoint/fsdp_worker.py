@@ -79,7 +79,7 @@ def main() -> int:
     cfg = CheckpointConfig(dir=args.ckpt, interval=args.interval, keep=args.keep, resume=args.resume,
                            async_save=args.async_save, signing_key_file=args.key_file or "",
                            require_signature=args.key_file is not None)
-    ckpt = Checkpointer(cfg, config_hash="test", dist=SimpleNamespace(rank=rank, world_size=world), stage=3,
+    ckpt = Checkpointer(cfg, config_hash="test", job="fsdp", dist=SimpleNamespace(rank=rank, world_size=world), stage=3,
                         job_config={"model": MODEL.to_dict()})
     start = ckpt.resume(app)
     losses: dict[int, float] = {}

@@ -114,7 +114,7 @@ SAVE_SCRIPT = textwrap.dedent("""
         def state_dict(self): return {"model": model.state_dict()}
         def load_state_dict(self, sd): raise AssertionError("not loaded here")
     cfg = CheckpointConfig(dir=sys.argv[1], interval=1, keep=1, resume="never", signing_key_file=sys.argv[2])
-    Checkpointer(cfg, config_hash="peak", job_config={"model": config.to_dict()}).save(1, Weights())
+    Checkpointer(cfg, config_hash="peak", job="peak", job_config={"model": config.to_dict()}).save(1, Weights())
 """)
 
 

@@ -43,6 +43,7 @@ def data_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 def job(tmp: Path, data: Path, ckpt: Path, key_file: Path, *, world: int, stage: int, total_steps: int = 10) -> Path:
     cfg = {
+        "name": "resume",  # one job across these config files (their stems differ)
         "model": {"size": "tiny", "n_layer": 2, "n_head": 2, "d_model": 32, "seq_len": 32},
         "data": {"path": str(data)},
         "engine": {"stage": stage, "precision": "fp32", "device": "cpu"},
@@ -275,6 +276,8 @@ def test_sigterm_to_torchrun_saves_a_checkpoint_at_the_current_step_and_the_next
     assert seen[2] <= stopped < total and stopped % INTERVAL, (seen, stopped)
     assert [s for s, _ in list_checkpoints(ckpt)][-1] == stopped  # saved at the stop, not at the last interval
     assert verify_checkpoint(ckpt / f"step_{stopped:08d}", key=key).valid
-    again = train(2, job(tmp_path, data, ckpt, key_file, world=2, stage=3, total_steps=10 + stopped))
+    # Training on past the old end changes schedule.total_steps, which the config hash covers: the flag says so.
+    again = train(2, job(tmp_path, data, ckpt, key_file, world=2, stage=3, total_steps=10 + stopped),
+                  "--allow-config-change")
     assert resumed_step(again) == stopped
     assert sorted(losses(again)) == list(range(stopped + 1, stopped + 11))

@@ -96,6 +96,7 @@ def test_the_trainer_keeps_training_when_no_checkpoint_fits_and_logs_each_skip(
     prepare(None, data)
     with tmpfs(tmp_path / "fs", 16) as fs:  # less than the margin alone: every save is skipped
         cfg = config_from_dict({
+            "name": "space",
             "model": {"size": "tiny", "n_layer": 1, "n_head": 2, "d_model": 32, "seq_len": 16},
             "data": {"path": str(data)}, "engine": {"stage": 3, "device": "cpu"},
             "batch": {"global_batch": 2, "micro_batch": 2}, "schedule": {"warmup_steps": 1, "total_steps": 4},

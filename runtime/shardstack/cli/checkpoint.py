@@ -89,7 +89,8 @@ def _as_dict(info) -> dict:
         "problem": str(info.problem) if info.problem else None,
         "reason": info.problem.reason if info.problem else None, "checked": info.checked,
         "signature": "checked" if info.signed else "not checked", "world_size": m.get("world_size"),
-        "stage": m.get("stage"), "config_hash": m.get("config_hash"), "created": m.get("created"),
+        "stage": m.get("stage"), "config_hash": m.get("config_hash"), "job": m.get("job"), "run_id": m.get("run_id"),
+        "created": m.get("created"),
         "bytes": m.get("total_bytes"), "files": len(m.get("files", {})),
     }
 

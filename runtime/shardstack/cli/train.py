@@ -26,6 +26,9 @@ def register(sub: argparse._SubParsersAction) -> None:
     run = actions.add_parser("run", help="train from a job.yaml (alone, or one process per rank under torchrun)")
     run.add_argument("--config", required=True, help="job.yaml")
     run.add_argument("--max-steps", type=int, default=None, help="stop after this many steps (short runs)")
+    run.add_argument("--allow-config-change", action="store_true",
+                     help="resume a checkpoint written under another config hash, or adopt one that names no job "
+                          "(sets checkpoint.allow_config_change)")
     run.set_defaults(func=_run)
 
     def common(p: argparse.ArgumentParser) -> None:
@@ -41,6 +44,9 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--account", help="Slurm: the account (team) to charge (default: the user's default)")
     p.add_argument("--qos", help="Slurm: the QOS (default: the account's default)")
     p.add_argument("--time", dest="time_limit", metavar="LIMIT", help="Slurm: time limit, [days-]hours:minutes:seconds")
+    p.add_argument("--allow-config-change", action="store_true",
+                   help="let the job resume its checkpoints although its config hash changed, or adopt ones that "
+                        "name no job (sets checkpoint.allow_config_change in the job's config on the nodes)")
     common(p)
     p.set_defaults(func=_submit)
 
@@ -64,12 +70,16 @@ def register(sub: argparse._SubParsersAction) -> None:
 
 def _run(args: argparse.Namespace) -> int:
     from shardstack.train import dist
-    from shardstack.train.config import load_config
+    from shardstack.train.config import job_name_from_path, load_config
     from shardstack.train.trainer import train
 
     if args.max_steps is not None and args.max_steps < 1:
         raise ShardstackError("--max-steps must be ≥ 1")
     cfg = load_config(args.config)
+    if cfg.name is None:
+        cfg.name = job_name_from_path(args.config)
+    if args.allow_config_change:
+        cfg.checkpoint.allow_config_change = True
     try:
         result = train(cfg, args.max_steps)
     finally:
@@ -85,12 +95,13 @@ def _run(args: argparse.Namespace) -> int:
 
 
 def _submit(args: argparse.Namespace) -> int:
-    name = train_ops.check_job_name(args.name or args.config.stem.lower().replace(".", "-"))
     if args.nodes is not None and args.nodes < 1:
         raise ShardstackError("--nodes must be ≥ 1")
     config = train_ops.load_job(args.config)
+    name = train_ops.check_job_name(args.name or config["name"] or args.config.stem.lower().replace(".", "-"))
     result = train_ops.submit(config, name, args.inventory, nodes=args.nodes, account=args.account, qos=args.qos,
-                              time_limit=args.time_limit, on_event=None if args.json else LiveProgress())
+                              time_limit=args.time_limit, allow_config_change=args.allow_config_change,
+                              on_event=None if args.json else LiveProgress())
     if args.json:
         print(json.dumps({"job": name, **result.to_dict()}, indent=2))
     else:

@@ -71,9 +71,16 @@ def load_job(path: Path) -> dict[str, Any]:
 
 def submit(config: dict[str, Any], name: str, inventory: Path, *, nodes: int | None = None,
            account: str | None = None, qos: str | None = None, time_limit: str | None = None,
-           on_event=None) -> RunResult:
-    """Start the job (systemd) or queue it (Slurm: `account`, `qos` and `time_limit` go to sbatch)."""
+           allow_config_change: bool = False, on_event=None) -> RunResult:
+    """Start the job (systemd) or queue it (Slurm: `account`, `qos` and `time_limit` go to sbatch). The config sent
+    names the job (its checkpoints record it); `allow_config_change` sets checkpoint.allow_config_change in it."""
     check_job_name(name)
+    if config.get("name") not in (None, name):
+        raise ShardstackError(f"the job config names job {config['name']!r}, but it is submitted as {name!r}",
+                              hint="drop --name, or change name: in the job config")
+    config = {**config, "name": name}
+    if allow_config_change:
+        config["checkpoint"] = {**(config.get("checkpoint") or {}), "allow_config_change": True}
     slurm_opts = {"account": account, "qos": qos, "time": time_limit}
     given = {k: v for k, v in slurm_opts.items() if v is not None}
     if given and scheduler(inventory) != "slurm":

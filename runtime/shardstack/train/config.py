@@ -21,6 +21,7 @@ import yaml
 
 from shardstack.errors import ShardstackError
 from shardstack.model.factory import ModelConfig, arch_config, check_model_config, model_arch
+from shardstack.train.checkpoint.layout import JOB_NAME_RE
 from shardstack.train.checkpoint.signing import DEFAULT_KEY_FILE
 
 
@@ -88,6 +89,9 @@ class CheckpointConfig:
     # HMAC key that signs every manifest: on each node, readable by the job's account only, never on shared storage.
     signing_key_file: str = DEFAULT_KEY_FILE
     require_signature: bool = True  # false: save and resume unsigned checkpoints (a local single-user run)
+    # Resume a checkpoint written under another config hash (model, data, optimizer, schedule, global batch, seed),
+    # or one that predates the job name in the manifest (adopting it); refused otherwise. CLI: --allow-config-change.
+    allow_config_change: bool = False
 
 
 @dataclass
@@ -100,6 +104,9 @@ class MetricsConfig:
 
 @dataclass
 class JobConfig:
+    # The job every checkpoint records as its owner; a checkpoint of another job is never resumed. null: the config
+    # file's stem (`train run`), which is the job name on the cluster's nodes (<jobs_dir>/<job>.yaml).
+    name: str | None = None
     model: ModelConfig = field(default_factory=ModelConfig)
     data: DataConfig = field(default_factory=DataConfig)
     engine: EngineConfig = field(default_factory=EngineConfig)
@@ -129,6 +136,7 @@ class JobConfig:
 
 # Checks beyond the type: (predicate, description of what is allowed).
 _CHECKS: dict[str, tuple[typing.Callable[[Any], bool], str]] = {
+    "name": (lambda v: v is None or bool(JOB_NAME_RE.match(v)), "a job name ([a-z0-9_-], up to 63) or null"),
     "model.n_layer": (lambda v: v is None or v >= 1, "an integer ≥ 1"),
     "model.n_head": (lambda v: v is None or v >= 1, "an integer ≥ 1"),
     "model.d_model": (lambda v: v is None or v >= 1, "an integer ≥ 1"),
@@ -312,6 +320,16 @@ def config_from_dict(data: dict[str, Any] | None) -> JobConfig:
     cfg = _build(JobConfig, data or {}, "")
     _cross_checks(cfg)
     return cfg
+
+
+def job_name_from_path(path: str | Path) -> str:
+    """The job name of a config without `name`: its file's stem, as `train submit` names the job and the nodes
+    name its config file (<jobs_dir>/<job>.yaml)."""
+    stem = Path(path).stem.lower().replace(".", "-")
+    if not JOB_NAME_RE.match(stem):
+        raise ShardstackError(f"{path} sets no name and its file name {stem!r} is not a job name",
+                              hint="set name: <job> ([a-z0-9_-], up to 63) in the job config")
+    return stem
 
 
 def load_config(path: str | Path) -> JobConfig:

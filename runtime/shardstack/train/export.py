@@ -29,7 +29,7 @@ from shardstack.model import artifact
 from shardstack.model.dtypes import DTYPES
 from shardstack.model.factory import arch_config, model_arch
 from shardstack.model.tokenizer import BYTES, HFTokenizer
-from shardstack.train.checkpoint.layout import DCP_METADATA, CheckpointInfo, resolve_checkpoint
+from shardstack.train.checkpoint.layout import CheckpointInfo, resolve_checkpoint
 from shardstack.train.checkpoint.reader import CheckpointReader, WeightsOnlyLoadPlanner, dcp_failure
 from shardstack.train.checkpoint.signing import SigningKey
 from shardstack.train.config import JobConfig, config_from_dict
@@ -108,7 +108,9 @@ def export_checkpoint(
     fields = model_config.to_dict()
     tok = _tokenizer(job, tokenizer)
 
-    reader = CheckpointReader(info.path, [n for n in info.manifest["files"] if n != DCP_METADATA])
+    # One tensor per load keeps export's memory bounded; streaming every shard through sha256 on each would read
+    # the checkpoint once per tensor, so its shards are verified up front (resolve_checkpoint) and .metadata on read.
+    reader = CheckpointReader(info.path, info.manifest["files"], verify_reads=False)
     metadata = reader.read_metadata().state_dict_metadata
     shapes = {fqn[len(MODEL_PREFIX):]: md for fqn, md in metadata.items()
               if fqn.startswith(MODEL_PREFIX) and isinstance(md, TensorStorageMetadata)}

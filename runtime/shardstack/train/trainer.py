@@ -155,10 +155,14 @@ def resolve_batch(cfg: JobConfig, world: int, micro: int) -> int:
 def _open_checkpointer(cfg: JobConfig, dist_info: DistInfo):
     if not cfg.checkpoint.dir:
         return None
+    if cfg.name is None:  # checkpoints belong to a job: without a name this job could resume anyone's
+        raise ShardstackError("config key 'name' is not set, and checkpoints record the job they belong to",
+                              hint="set name: <job> in the job config (`shardstack train run` uses the config "
+                                   "file's stem)")
     from shardstack.train.checkpoint.checkpointer import Checkpointer
 
-    return Checkpointer(cfg.checkpoint, config_hash=cfg.config_hash(), dist=dist_info, stage=cfg.engine.stage,
-                        job_config=cfg.to_dict())
+    return Checkpointer(cfg.checkpoint, config_hash=cfg.config_hash(), job=cfg.name, dist=dist_info,
+                        stage=cfg.engine.stage, job_config=cfg.to_dict())
 
 
 def train(cfg: JobConfig, max_steps: int | None = None, *, out=None) -> TrainResult:

@@ -1,6 +1,11 @@
 """The collective side of checkpoints: every rank saves its DCP shards, rank 0 commits with a signed manifest (see
 `layout` for the on-disk format), and resume takes the newest checkpoint that verifies, quarantining the invalid
-ones it passes."""
+ones it passes, and refuses it when it belongs to another job (or, unless allowed, to another config).
+
+Ownership: every manifest names its `job` (the job config's name) and a `run_id`: a random id drawn at the first
+save of a job that did not resume, and copied from the checkpoint on every resume, so it names one line of history
+across restarts, requeues and resubmissions (a `resume: never` start, or adopting a checkpoint that has none, draws
+a new one)."""
 
 from __future__ import annotations
 
@@ -97,8 +102,9 @@ def _quarantine(path: Path, problem: Problem) -> None:
 class Checkpointer:
     """Saves and restores the trainer's `app_state` (a DCP `Stateful`) under `cfg.dir`; a no-op when it is None.
 
-    Every rank must call every method in the same order (they are collective). `stage` and `job_config` are
-    recorded in the manifest: the stage for `checkpoint ls`, the job config so `export` knows the model shape.
+    Every rank must call every method in the same order (they are collective). `job` owns the checkpoints: it is
+    recorded in each manifest and resume refuses another job's. `stage` and `job_config` are recorded too: the stage
+    for `checkpoint ls`, the job config so `export` knows the model shape.
     `on_space_check` is called on every rank with each save's `SpaceCheck`, `on_commit` with the step of each
     checkpoint once it is committed (in the background for async saves); the trainer feeds its metrics with both.
     """
@@ -108,6 +114,7 @@ class Checkpointer:
         cfg: CheckpointConfig,
         *,
         config_hash: str,
+        job: str,
         dist: _DistLike | None = None,
         stage: int | None = None,
         job_config: dict[str, Any] | None = None,
@@ -116,6 +123,8 @@ class Checkpointer:
     ) -> None:
         self.cfg = cfg
         self.config_hash = config_hash
+        self.job = job
+        self.run_id: str | None = None  # from the checkpoint resumed, else drawn at the first save (rank 0)
         self.stage = stage
         self.job_config = job_config
         self.on_space_check = on_space_check
@@ -215,29 +224,59 @@ class Checkpointer:
         else:
             chosen = self._explicit(Path(self.cfg.resume))
         path, manifest = chosen
-        if manifest["config_hash"] != self.config_hash and self.rank == 0:
-            log.warning(
-                "checkpoint %s was written by a job with config hash %s, this job has %s; resuming anyway "
-                "(model and optimizer shapes are checked by the load)",
-                path.name, manifest["config_hash"], self.config_hash,
-            )
+        self._check_owner(path, manifest)  # the same broadcast manifest on every rank: all raise or none does
         t0 = time.monotonic()
         self._load(path, manifest, app_state)
         step = manifest["step"]
         self.last_saved_step = step
         self._last_total_bytes = manifest["total_bytes"]
+        self.run_id = manifest.get("run_id")
         if self.rank == 0:
             restart = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") or 0)
             log.info(
-                "%sresumed from %s (step %d, saved by %d ranks at stage %s; now %d ranks) in %.1fs",
+                "%sresumed from %s (step %d, saved by %d ranks at stage %s; now %d ranks) in %.1fs; job %s, run %s",
                 f"elastic restart {restart}: " if restart else "", path, step, manifest["world_size"],
-                manifest["stage"], self.world_size, time.monotonic() - t0,
+                manifest["stage"], self.world_size, time.monotonic() - t0, self.job, self.run_id or "new",
             )
         return step
 
+    def _check_owner(self, path: Path, manifest: dict[str, Any]) -> None:
+        """Refuse another job's checkpoint always; one from another config, or one that names no job (written
+        before manifests did), only with checkpoint.allow_config_change."""
+        allow = self.cfg.allow_config_change
+        flag = "--allow-config-change (checkpoint.allow_config_change: true)"
+        theirs = manifest.get("job")
+        if theirs is not None and theirs != self.job:
+            raise ShardstackError(
+                f"checkpoint {path} belongs to job {theirs!r}, not to this job {self.job!r}: refusing to resume it",
+                hint=f"give each job its own checkpoint.dir: point job {self.job!r} at another one, or move job "
+                     f"{theirs!r}'s checkpoints out of {self.root}")
+        if theirs is None and not allow:
+            raise ShardstackError(
+                f"checkpoint {path} names no job (it was written before checkpoints recorded their job), so it "
+                f"cannot be told apart from another job's; this job is {self.job!r}: refusing to resume it",
+                hint=f"if it is this job's, resume once with {flag} to adopt it; otherwise give this job its own "
+                     "checkpoint.dir")
+        changed = manifest["config_hash"] != self.config_hash
+        if changed and not allow:
+            raise ShardstackError(
+                f"checkpoint {path} of job {self.job!r} was written with config hash {manifest['config_hash']}, "
+                f"this job's config hashes to {self.config_hash}: refusing to resume it",
+                hint=f"the model, data, optimizer, schedule, global batch or seed changed; continue anyway with "
+                     f"{flag}, or start over with checkpoint.resume: never or another checkpoint.dir")
+        if self.rank == 0 and theirs is None:
+            log.warning("adopting checkpoint %s, which names no job, as job %s's (allow_config_change); its next "
+                        "checkpoint starts a new run id", path.name, self.job)
+        if self.rank == 0 and changed:
+            log.warning("checkpoint %s was written with config hash %s, this job has %s; resuming anyway "
+                        "(allow_config_change; model and optimizer shapes are checked by the load)",
+                        path.name, manifest["config_hash"], self.config_hash)
+
     def _load(self, path: Path, manifest: dict[str, Any], app_state: Stateful) -> None:
         """DCP load through the restricted reader and planner; any rank's failure is one clear error on all."""
-        reader = CheckpointReader(path, [n for n in manifest["files"] if n != DCP_METADATA])
+        # The reader hashes every file as it loads it: what was verified above is checked again on the very bytes
+        # deserialized, so a file swapped after that check fails the load instead of changing what is resumed.
+        reader = CheckpointReader(path, manifest["files"], verify_reads=True)
         error: str | None = None
         try:
             reader.read_metadata()  # parsed and checked here, on every rank, so DCP never meets a bad one
@@ -436,6 +475,8 @@ class Checkpointer:
                 self._write_manifest(step, tmp, gathered)  # type: ignore[arg-type]
             except OSError as exc:
                 error = f"could not commit checkpoint step {step} in {tmp}: {exc}"
+            except ShardstackError as exc:
+                error = str(exc)
         error = self._broadcast(error, group=group)  # doubles as the barrier: nobody moves on before the commit
         if error is not None:
             raise ShardstackError(error)
@@ -449,12 +490,17 @@ class Checkpointer:
             files.update(entries)
         fsync_file(tmp / DCP_METADATA)
         files[DCP_METADATA] = file_entry(tmp / DCP_METADATA)
+        if self.run_id is None:
+            self.run_id = uuid.uuid4().hex
+            log.info("job %s: new run id %s (carried by every checkpoint it resumes from)", self.job, self.run_id)
         manifest = {
             "format": MANIFEST_FORMAT,
             "step": step,
             "world_size": self.world_size,
             "stage": self.stage,
             "config_hash": self.config_hash,
+            "job": self.job,
+            "run_id": self.run_id,
             "created": datetime.now(UTC).isoformat(timespec="seconds"),
             "host": socket.gethostname(),
             "torch_version": torch.__version__,
@@ -470,6 +516,11 @@ class Checkpointer:
             # key) or starting over (resume: never): this run's history replaces a valid one; an invalid one is
             # evidence and is quarantined instead.
             existing = verify_checkpoint(final, key=self.key, checksums=False)
+            if existing.valid and not self._owns(existing.manifest):
+                raise ShardstackError(
+                    f"cannot commit checkpoint step {step}: {final} belongs to job "
+                    f"{existing.manifest.get('job') if existing.manifest else None!r}, not to this job {self.job!r}",
+                    hint="give each job its own checkpoint.dir")
             if existing.valid:
                 log.warning("replacing existing %s with the checkpoint of this run", final)
                 remove_tree(final)
@@ -482,9 +533,15 @@ class Checkpointer:
         self._last_total_bytes = manifest["total_bytes"]
         self._prune(final)
 
+    def _owns(self, manifest: dict[str, Any] | None) -> bool:
+        """Whether a (valid) checkpoint is this job's: it names this job, or names none and this job adopts those."""
+        job = manifest.get("job") if manifest is not None else None
+        return job == self.job or (job is None and self.cfg.allow_config_change)
+
     def _prune(self, committed: Path) -> None:
-        """Keep the newest `keep` valid checkpoints and the one just committed; delete older valid ones. Invalid
-        ones are never counted and never deleted: they are quarantined (those signed with another key are left)."""
+        """Keep the newest `keep` valid checkpoints of this job and the one just committed; delete its older valid
+        ones. Invalid ones are never counted and never deleted: they are quarantined (those signed with another key
+        are left); another job's are left alone."""
         if self.cfg.keep <= 0:
             return
         kept = 0
@@ -494,6 +551,8 @@ class Checkpointer:
                 if info.problem.reason != "other-key":
                     log.warning("checkpoint %s is not valid: %s", path, info.problem)
                     _quarantine(path, info.problem)
+                continue
+            if not self._owns(info.manifest):
                 continue
             kept += 1
             if kept > self.cfg.keep and path != committed:

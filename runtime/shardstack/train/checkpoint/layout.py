@@ -9,9 +9,9 @@ Layout under `checkpoint.dir`::
 
 A save goes: every rank writes its shards into `step_N.tmp-<nonce>/` (DCP fsyncs each file and the .metadata);
 every rank hashes the files it wrote; rank 0 gathers the hashes, writes `manifest.json` (step, world size, stage,
-config hash, size + sha256 of every file, HMAC signature), fsyncs it and the directory, renames the directory to
-`step_N/` and fsyncs the parent. The rename is the commit: a crash at any point before it leaves only a `.tmp-`
-directory.
+config hash, job name and run id, size + sha256 of every file, HMAC signature), fsyncs it and the directory,
+renames the directory to `step_N/` and fsyncs the parent. The rename is the commit: a crash at any point before it
+leaves only a `.tmp-` directory.
 
 A checkpoint is valid when its manifest is well-formed and signed by this cluster's key (`signing`), the directory
 holds exactly the files it lists with their sizes and sha256, and DCP's `.metadata` is plain checkpoint metadata
@@ -33,7 +33,7 @@ from pathlib import Path
 from typing import Any
 
 from shardstack.errors import ShardstackError
-from shardstack.train.checkpoint.reader import DCP_METADATA, read_dcp_metadata
+from shardstack.train.checkpoint.reader import DCP_METADATA, ChecksumMismatch, read_dcp_metadata
 from shardstack.train.checkpoint.signing import SigningKey, signature_problem
 
 log = logging.getLogger("shardstack.checkpoint")
@@ -45,12 +45,17 @@ STALE_RE = re.compile(r"^step_\d{8}\.(tmp|deleting)-[0-9a-f]+$")
 QUARANTINE_RE = re.compile(r"^step_(\d{8})\.invalid-([a-z0-9-]+?)(?:-[0-9a-f]{8})?$")
 SHARD_RE = re.compile(r"^__\d+_\d+\.distcp$")  # DCP's FileSystemWriter names: __<rank>_<n>.distcp
 _SHA256_RE = re.compile(r"^[0-9a-f]{64}$")
+JOB_NAME_RE = re.compile(r"^[a-z0-9][a-z0-9_-]{0,62}$")  # `train submit`'s rule (shardstack.ops.train.JOB_NAME)
+RUN_ID_RE = re.compile(r"^[0-9a-f]{32}$")
 # key → the JSON types it may have; a manifest with any other key, or a key of another type, is malformed.
 _FIELDS: dict[str, tuple[type, ...]] = {
     "format": (str,), "step": (int,), "world_size": (int,), "stage": (int, type(None)), "config_hash": (str,),
     "created": (str,), "host": (str,), "torch_version": (str,), "files": (dict,), "total_bytes": (int,),
-    "job_config": (dict, type(None)), "signature": (dict,),
+    "job_config": (dict, type(None)), "job": (str,), "run_id": (str,), "signature": (dict,),
 }
+# Absent from manifests written before checkpoints recorded their job (same format: their files load the same way);
+# the checkpointer refuses to resume those unless told to adopt them.
+_OWNER_FIELDS = ("job", "run_id")
 
 
 def step_dir_name(step: int) -> str:
@@ -179,9 +184,16 @@ def _schema_problem(manifest: dict[str, Any]) -> Problem | None:
             return _malformed(f"unexpected key {key!r}")
         if not isinstance(value, _FIELDS[key]) or (isinstance(value, bool) and bool not in _FIELDS[key]):
             return _malformed(f"{key} is {type(value).__name__}")
-    missing = sorted(set(_FIELDS) - {"signature"} - set(manifest))
+    missing = sorted(set(_FIELDS) - {"signature", *_OWNER_FIELDS} - set(manifest))
     if missing:
         return _malformed(f"missing {', '.join(missing)}")
+    owner = [k for k in _OWNER_FIELDS if k in manifest]
+    if len(owner) == 1:
+        return _malformed(f"it has {owner[0]} without {({*_OWNER_FIELDS} - {*owner}).pop()}")
+    if owner and not JOB_NAME_RE.match(manifest["job"]):
+        return _malformed(f"job {manifest['job']!r} is not a job name ([a-z0-9_-], up to 63)")
+    if owner and not RUN_ID_RE.match(manifest["run_id"]):
+        return _malformed("run_id is not 32 hex digits")
     if manifest["step"] < 0 or manifest["world_size"] < 1:
         return _malformed("step or world_size out of range")
     files = manifest["files"]
@@ -237,7 +249,8 @@ def read_manifest(path: str | os.PathLike, *, key: SigningKey | None) -> tuple[d
 
 
 def check_files(path: Path, files: dict[str, dict[str, Any]], names: list[str], checksums: bool) -> Problem | None:
-    """Sizes (and sha256) of `names` against the manifest's `files`; with checksums, `.metadata` is also parsed."""
+    """Sizes (and sha256) of `names` against the manifest's `files`; with checksums, `.metadata` is also parsed
+    (from the bytes that were hashed)."""
     for name in names:
         expected = files[name]
         f = path / name
@@ -247,13 +260,15 @@ def check_files(path: Path, files: dict[str, dict[str, Any]], names: list[str], 
         if size != expected["size"]:
             return Problem("size-mismatch", f"size mismatch for {name}: manifest says {expected['size']} bytes, "
                                             f"found {size} (truncated?)")
-        if checksums and _sha256(f) != expected["sha256"]:
-            return Problem("checksum-mismatch", f"checksum mismatch for {name} (sha256 differs from the manifest)")
         if checksums and name == DCP_METADATA:
             try:
-                read_dcp_metadata(path, [n for n in files if n != DCP_METADATA])
+                read_dcp_metadata(path, files)
+            except ChecksumMismatch as exc:
+                return Problem("checksum-mismatch", str(exc))
             except ShardstackError as exc:
                 return Problem("bad-metadata", str(exc))
+        elif checksums and _sha256(f) != expected["sha256"]:
+            return Problem("checksum-mismatch", f"checksum mismatch for {name} (sha256 differs from the manifest)")
     return None
 
 

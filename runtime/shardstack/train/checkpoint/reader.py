@@ -10,18 +10,24 @@ directory could make the next reader run code. Here:
 - non-tensor items are loaded with `torch.load(weights_only=True)` (`WeightsOnlyLoadPlanner`); tensor items already
   are, by DCP's `FileSystemReader.read_data`.
 - DCP's fallback to a rank-local `__<rank>.metadata` (a file no manifest lists) is never taken.
+
+Files are hashed as they are read: `.metadata` is read into memory once, hashed and unpickled from those bytes, and
+a resume's shards stream through sha256 while their items are deserialized (`CheckpointReader(verify_reads=True)`),
+so the bytes checked against the (signed) manifest are the bytes loaded, not a copy read a moment earlier.
 """
 
 from __future__ import annotations
 
+import hashlib
 import io
 import pathlib
 import pickle
-from collections.abc import Collection
+from collections.abc import Collection, Iterator, Mapping
 from pathlib import Path
-from typing import Any
+from typing import Any, BinaryIO, cast
 
 import torch
+from torch.distributed._shard._utils import narrow_tensor_by_index
 from torch.distributed.checkpoint import FileSystemReader
 from torch.distributed.checkpoint._traverse import set_element
 from torch.distributed.checkpoint.api import CheckpointException
@@ -36,11 +42,20 @@ from torch.distributed.checkpoint.metadata import (
     TensorProperties,
     TensorStorageMetadata,
 )
-from torch.distributed.checkpoint.planner import ReadItem
+from torch.distributed.checkpoint.planner import LoadItemType, LoadPlan, LoadPlanner, ReadItem
+from torch.futures import Future
 
 from shardstack.errors import ShardstackError
 
 DCP_METADATA = ".metadata"
+_CHUNK = 4 * 2**20  # bytes hashed per read between the items a rank loads
+
+
+class ChecksumMismatch(ShardstackError):
+    """A file's bytes, as read, differ from the manifest's size or sha256."""
+
+    def __init__(self, name: str) -> None:
+        super().__init__(f"checksum mismatch for {name} (sha256 differs from the manifest)")
 
 _DCP_METADATA_CLASSES = {
     "Metadata", "TensorStorageMetadata", "BytesStorageMetadata", "ChunkStorageMetadata", "TensorProperties",
@@ -124,29 +139,78 @@ def _check_metadata(md: Any, files: Collection[str]) -> str | None:
     return None
 
 
-def read_dcp_metadata(step_dir: Path, files: Collection[str]) -> Metadata:
-    """Unpickle and check `step_dir/.metadata`; `files` are the shard names the (verified) manifest lists."""
+def read_dcp_metadata(step_dir: Path, files: Mapping[str, Mapping[str, Any]]) -> Metadata:
+    """Read `step_dir/.metadata` once, check its sha256 against `files` (the verified manifest's entries), then
+    unpickle those same bytes and check them: every chunk must point at a shard the manifest lists."""
+    path = step_dir / DCP_METADATA
     try:
-        with open(step_dir / DCP_METADATA, "rb") as f:
-            md = MetadataUnpickler(f).load()
+        raw = path.read_bytes()
     except OSError as exc:
-        raise ShardstackError(f"cannot read {step_dir / DCP_METADATA}: {exc.strerror}") from None
+        raise ShardstackError(f"cannot read {path}: {exc.strerror}") from None
+    expected = files.get(DCP_METADATA)
+    if expected is None or len(raw) != expected["size"] or hashlib.sha256(raw).hexdigest() != expected["sha256"]:
+        raise ChecksumMismatch(DCP_METADATA)
+    try:
+        md = MetadataUnpickler(io.BytesIO(raw)).load()
     except Exception as exc:  # anything a crafted pickle can raise: it is refused, never half-loaded
         raise ShardstackError(f"DCP {DCP_METADATA} is not checkpoint metadata: {exc}") from None
-    problem = _check_metadata(md, files)
+    problem = _check_metadata(md, [n for n in files if n != DCP_METADATA])
     if problem is not None:
         raise ShardstackError(f"DCP {DCP_METADATA} is not checkpoint metadata: {problem}")
     return md
 
 
+class _HashingFile:
+    """One shard read front to back exactly once through sha256: `items` yields the requested (offset, length)
+    ranges in file order, `finish` hashes the rest and compares size and digest with the manifest."""
+
+    def __init__(self, f: BinaryIO, name: str, expected: Mapping[str, Any]) -> None:
+        self.f, self.name, self.expected = f, name, expected
+        self.pos = 0
+        self.sha = hashlib.sha256()
+
+    def _take(self, n: int) -> bytes:
+        data = self.f.read(n)
+        self.sha.update(data)
+        self.pos += len(data)
+        return data
+
+    def skip_to(self, offset: int) -> None:
+        while self.pos < offset:
+            if not self._take(min(_CHUNK, offset - self.pos)):
+                raise ShardstackError(f"{self.name} ends before offset {offset} that .metadata points at")
+
+    def read(self, length: int) -> bytes:
+        data = self._take(length)
+        if len(data) != length:
+            raise ShardstackError(f"{self.name} ends inside an item that .metadata points at (truncated?)")
+        return data
+
+    def finish(self) -> None:
+        while self._take(_CHUNK):
+            pass
+        if self.pos != self.expected["size"] or self.sha.hexdigest() != self.expected["sha256"]:
+            raise ChecksumMismatch(self.name)
+
+
 class CheckpointReader(FileSystemReader):
     """DCP's file reader, reading `.metadata` through `read_dcp_metadata` once per reader (so every load through it
     sees the metadata that was checked). Its `read_metadata` takes no `rank` argument, which is how DCP knows not to
-    fall back to a rank-local `__<rank>.metadata`."""
+    fall back to a rank-local `__<rank>.metadata`.
 
-    def __init__(self, step_dir: str | Path, files: Collection[str]) -> None:
+    `files` are the verified manifest's entries ({name: {size, sha256}}). With `verify_reads` each shard a load
+    touches is read once, front to back, through sha256: the items are deserialized (weights-only) from the bytes
+    as they pass, and a file whose bytes differ from the manifest fails the load before `dcp.load` returns, so no
+    caller ever receives state from bytes that were not verified. Reading whole files costs a rank the parts of
+    shards it does not need (rank 0's file holds the plain items every rank loads); `export`, which loads one
+    tensor at a time, verifies up front instead (`verify_reads=False`).
+    """
+
+    def __init__(self, step_dir: str | Path, files: Mapping[str, Mapping[str, Any]], *,
+                 verify_reads: bool = True) -> None:
         super().__init__(step_dir)
-        self._files = frozenset(files)
+        self._files = dict(files)
+        self._verify_reads = verify_reads
         self._metadata: Metadata | None = None
 
     def read_metadata(self) -> Metadata:  # type: ignore[override]
@@ -156,6 +220,52 @@ class CheckpointReader(FileSystemReader):
             self._metadata.storage_meta = StorageMeta()
         self._metadata.storage_meta.load_id = self.load_id
         return self._metadata
+
+    def read_data(self, plan: LoadPlan, planner: LoadPlanner) -> Future[None]:
+        if not self._verify_reads:
+            return super().read_data(plan, planner)
+        per_file: dict[str, list[tuple[_StorageInfo, ReadItem]]] = {}
+        for req in plan.items:
+            info: _StorageInfo = self.storage_data[req.storage_index]
+            per_file.setdefault(info.relative_path, []).append((info, req))
+        for name, reqs in per_file.items():
+            if name not in self._files:  # _check_metadata already refused this; never open an unlisted file
+                raise ShardstackError(f".metadata points at {name!r}, which the manifest does not list")
+            with open(Path(self.path) / name, "rb") as f:
+                stream = _HashingFile(f, name, self._files[name])
+                for info, req in _in_file_order(reqs):
+                    stream.skip_to(info.offset)
+                    _deliver(req, stream.read(info.length), planner)
+                stream.finish()
+        fut: Future[None] = Future()
+        fut.set_result(None)
+        return fut
+
+
+def _in_file_order(reqs: list[tuple[_StorageInfo, ReadItem]]) -> Iterator[tuple[_StorageInfo, ReadItem]]:
+    """The requests by offset; overlapping items (never written by DCP) are refused rather than read twice."""
+    end = 0
+    for info, req in sorted(reqs, key=lambda r: r[0].offset):
+        if info.offset < end:
+            raise ShardstackError(f"{info.relative_path} has overlapping items in .metadata")
+        end = info.offset + info.length
+        yield info, req
+
+
+def _deliver(req: ReadItem, data: bytes, planner: LoadPlanner) -> None:
+    """DCP's FileSystemReader.read_data for one item, from bytes already read (transforms are refused in
+    _check_metadata); tensors weights-only, as DCP does, and plain items through the planner's load_bytes."""
+    if req.type == LoadItemType.BYTE_IO:
+        planner.load_bytes(req, io.BytesIO(data))
+        return
+    tensor = cast(torch.Tensor, torch.load(io.BytesIO(data), map_location="cpu", weights_only=True))
+    tensor = narrow_tensor_by_index(tensor, req.storage_offsets, req.lengths)
+    target = planner.resolve_tensor(req).detach()
+    if target.size() != tensor.size():
+        raise ShardstackError(f"item {req.storage_index.fqn!r} has shape {tuple(tensor.size())} in the checkpoint, "
+                              f"{tuple(target.size())} here")
+    target.copy_(tensor)
+    planner.commit_tensor(req, target)
 
 
 class WeightsOnlyLoadPlanner(DefaultLoadPlanner):
