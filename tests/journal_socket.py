@@ -31,7 +31,7 @@ class JournalSocket:
     def entries(self) -> list[dict[str, str]]:
         return [decode_entry(d) for d in list(self.raw)]
 
-    def entry(self, key: str, value: str, timeout: float = 10.0) -> dict[str, str]:
+    def entry(self, key: str, value: str, timeout: float = 60.0) -> dict[str, str]:  # a ceiling, for loaded hosts
         """The first entry with key=value (written once the response is sent, so it may trail the client)."""
         deadline = time.monotonic() + timeout
         while True:

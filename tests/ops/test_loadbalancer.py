@@ -24,8 +24,8 @@ import time
 import urllib.error
 import urllib.request
 from collections import Counter
-from collections.abc import Iterator
-from concurrent.futures import ThreadPoolExecutor
+from collections.abc import Callable, Iterator
+from concurrent.futures import FIRST_COMPLETED, ThreadPoolExecutor, wait
 from pathlib import Path
 
 import pytest
@@ -44,6 +44,7 @@ STATS_PASSWORD = "stats-pass-for-tests"
 # What the inference service itself would answer (docs/serving.md, "Errors"): HAProxy's own bodies must be these.
 RATE_LIMITED = ApiError(429, "rate limit exceeded; retry later", code="rate_limit_exceeded")
 UNAVAILABLE = ApiError(503, "no inference replica is available; retry later", code="unavailable")
+GATE_CEILING = 120.0  # s: the most a gated backend holds a request, or a test waits for a state, on a loaded host
 
 
 def free_port() -> int:
@@ -53,10 +54,14 @@ def free_port() -> int:
 
 
 class Backend(http.server.ThreadingHTTPServer):
-    """/health answers `health`; POST answers `post` with the backend's name (503 = draining) after `delay` s."""
+    """/health answers `health`; POST answers `post` with the backend's name (503 = draining), when `gate` is set
+    only once the test sets that event. `in_flight`/`max_in_flight` count the POSTs being answered."""
 
     def __init__(self, addr: str, port: int, name: str) -> None:
-        self.name, self.health, self.post, self.delay, self.hits = name, 200, 200, 0.0, Counter()
+        self.name, self.health, self.post, self.hits = name, 200, 200, Counter()
+        self.gate: threading.Event | None = None
+        self.in_flight = self.max_in_flight = 0
+        self.lock = threading.Lock()
         self.forwarded: list[str | None] = []
         self.request_ids: list[str | None] = []
         super().__init__((addr, port), _Handler)
@@ -84,7 +89,15 @@ class _Handler(http.server.BaseHTTPRequestHandler):
         self.rfile.read(int(self.headers.get("Content-Length", 0)))
         self.server.forwarded.append(self.headers.get("X-Forwarded-For"))
         self.server.request_ids.extend(self.headers.get_all("X-Request-ID") or [None])
-        time.sleep(self.server.delay)
+        with self.server.lock:
+            self.server.in_flight += 1
+            self.server.max_in_flight = max(self.server.max_in_flight, self.server.in_flight)
+        try:
+            if self.server.gate is not None:
+                self.server.gate.wait(GATE_CEILING)
+        finally:
+            with self.server.lock:
+                self.server.in_flight -= 1
         self.server.hits[self.server.post] += 1
         self._send(self.server.post, {"backend": self.server.name, "choices": [{"text": self.server.name}]})
 
@@ -98,7 +111,7 @@ def stats_crypt(password: str) -> str:
                           capture_output=True, text=True, check=True).stdout.strip()
 
 
-def wait_up(metrics: str, servers: set[str], timeout: float = 15) -> None:
+def wait_up(metrics: str, servers: set[str], timeout: float = 60) -> None:
     deadline, up = time.monotonic() + timeout, set()
     while time.monotonic() < deadline:
         try:
@@ -379,29 +392,63 @@ def test_stats_want_the_password_metrics_do_not(lb: dict) -> None:
     assert other.value.code == 404
 
 
-@pytest.mark.parametrize("queue", ["5s", "1s"])
+def _until(what: str, ready: Callable[[], bool], timeout: float = GATE_CEILING) -> None:
+    deadline = time.monotonic() + timeout
+    while not ready():
+        assert time.monotonic() < deadline, f"not within {timeout}s: {what}"
+        time.sleep(0.05)
+
+
+def _metric(metrics: str, name: str) -> float:
+    """The value of HAProxy's `name` sample for the inference backend."""
+    text = urllib.request.urlopen(metrics, timeout=10).read().decode()
+    line = next(x for x in text.splitlines() if x.startswith(name + "{") and 'proxy="inference"' in x)
+    return float(line.rsplit(" ", 1)[1])
+
+
+@pytest.mark.parametrize("queue", ["60s", "1s"])
 def test_requests_beyond_every_servers_maxconn_wait_in_haproxys_queue(tmp_path: Path, queue: str) -> None:
-    """One slot per server and 1 s per request: a third concurrent request waits in HAProxy for the first free
-    server (served when the queue may wait 5 s) or gets the service's 503 when `timeout queue` (1 s) runs out."""
+    """One slot per server, each held by its backend until the test lets go: a third concurrent request waits in
+    HAProxy for the first free server (served when the queue may wait 60 s) or gets the service's 503 when
+    `timeout queue` (1 s) runs out while both servers are still busy. Event-driven: the test waits for the
+    servers' and HAProxy's state, not for requests to arrive within some window of each other."""
     files = issue(tmp_path / "credentials", "lb", ["127.0.0.1"])
     port = free_port()
     a, b = Backend("127.0.0.2", port, "a"), Backend("127.0.0.3", port, "b")
-    a.delay = b.delay = 1.5
+    a.gate = b.gate = gate = threading.Event()
     try:
         with running_haproxy(tmp_path, files, {"a": "127.0.0.2", "b": "127.0.0.3"}, port,
                              loadbalancer_server_maxconn=1, loadbalancer_timeout_queue=queue) as running:
             wait_up(running["metrics"], {"a", "b"})
             ep = Endpoint(running["https"], None, files["ca_cert"])
             with ThreadPoolExecutor(3) as pool:
-                answers = list(pool.map(lambda _: complete(ep, "x", timeout=20), range(3)))
+                try:
+                    futures = [pool.submit(complete, ep, "x", timeout=GATE_CEILING) for _ in range(3)]
+                    _until("both servers hold a request", lambda: a.in_flight == b.in_flight == 1)
+                    if queue == "1s":
+                        # Both servers still held, so the first answer can only be HAProxy's own, after the
+                        # third request sat out `timeout queue` (a lower bound: load only makes it longer).
+                        done, _ = wait(futures, timeout=GATE_CEILING, return_when=FIRST_COMPLETED)
+                        assert done, "no answer while both servers were busy"
+                        early = next(iter(done)).result()
+                        assert early.status == 503 and early.seconds >= 1.0, early
+                        assert a.in_flight == b.in_flight == 1 and a.hits.total() == b.hits.total() == 0
+                    else:
+                        _until("the third request queued in HAProxy",
+                               lambda: _metric(running["metrics"], "haproxy_backend_current_queue") == 1)
+                    assert _metric(running["metrics"], "haproxy_backend_max_queue") == 1  # queued, not refused
+                finally:
+                    gate.set()  # also on failure: never leave the pool's threads waiting on held requests
+                answers = [f.result() for f in futures]
     finally:
         for server in (a, b):
             server.shutdown()
             server.server_close()
     codes = sorted(c.status for c in answers)
-    assert max(a.hits.total(), b.hits.total()) <= (2 if queue == "5s" else 1)
-    if queue == "5s":
-        assert codes == [200, 200, 200] and max(c.seconds for c in answers) > 2.5  # it waited for a free slot
+    assert max(a.max_in_flight, b.max_in_flight) == 1  # HAProxy never sent a server more than its maxconn
+    assert max(a.hits.total(), b.hits.total()) <= (2 if queue == "60s" else 1)
+    if queue == "60s":
+        assert codes == [200, 200, 200]  # the queued one was served by the first server to free up
     else:
         assert codes == [200, 200, 503]
         assert next(c.body for c in answers if c.status == 503) == json.loads(UNAVAILABLE.json())

@@ -49,7 +49,10 @@ def test_each_request_is_one_entry_with_fields_and_no_secret(journaled: tuple[Se
         malformed = c.post("/v1/completions", headers={**JSON, "X-Request-ID": "bad id\twith junk"},
                            content=b'{"prompt": ')
         health = c.get("/health")
-    assert [r.status_code for r in (ok, streamed, denied, missing, malformed, health)] == [200, 200, 401, 404, 400, 200]
+        # Logged (a 404), sent after the probe was answered: once its entry is in, the probe's would be too.
+        marker = c.get("/after/the/probe", headers=AUTH)
+    assert [r.status_code for r in (ok, streamed, denied, missing, malformed, health, marker)] == \
+        [200, 200, 401, 404, 400, 200, 404]
 
     # The caller's (HAProxy's) request id when well-formed, else a fresh one; the response carries it.
     assert ok.headers["x-request-id"] == HAPROXY_ID
@@ -77,10 +80,11 @@ def test_each_request_is_one_entry_with_fields_and_no_secret(journaled: tuple[Se
     e = journal.entry("SHARDSTACK_REQUEST_ID", malformed.headers["x-request-id"])
     assert e["SHARDSTACK_STATUS"] == "400" and e["SHARDSTACK_METHOD"] == "POST"
 
-    # A probe that succeeds is no entry; six requests, five entries, exactly one each.
-    time.sleep(0.5)
+    # A probe that succeeds is no entry; seven requests, six entries, exactly one each. The service writes each
+    # entry when its request ends, in order, so waiting for the marker's replaces a fixed sleep.
+    journal.entry("SHARDSTACK_REQUEST_ID", marker.headers["x-request-id"])
     ids = [decode_entry(d)["SHARDSTACK_REQUEST_ID"] for d in journal.raw]
-    assert sorted(ids) == sorted(r.headers["x-request-id"] for r in (ok, streamed, denied, missing, malformed))
+    assert sorted(ids) == sorted(r.headers["x-request-id"] for r in (ok, streamed, denied, missing, malformed, marker))
     # Neither the token (right or wrong), nor the Authorization header, nor any prompt text.
     everything = b"".join(journal.raw)
     for secret in (TOKEN, WRONG_TOKEN, "Bearer", "authorization", PROMPT):

@@ -11,7 +11,7 @@ import sys
 import tempfile
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
@@ -84,41 +84,90 @@ def _generated(url: str) -> float:
     return float(line.split()[1])
 
 
+STALL = 1.0  # s: --stall-seconds of the hung-engine test
+CEILING = 120.0  # s: the most a test waits for a state it expects, on a loaded 2-core host
+
+
+def _heartbeat(url: str) -> float:
+    """The engine loop's last heartbeat (Unix time) from /metrics: frozen from the moment the loop hangs."""
+    line = next(x for x in httpx.get(url + "/metrics").text.splitlines()
+                if x.startswith("shardstack_infer_engine_heartbeat_timestamp_seconds "))
+    return float(line.split()[1])
+
+
+def _until(what: str, ready: Callable[[], bool], timeout: float = CEILING) -> None:
+    deadline = time.monotonic() + timeout
+    while not ready():
+        assert time.monotonic() < deadline, f"not within {timeout}s: {what}"
+        time.sleep(0.05)
+
+
+def _fresh(svc: Service, key: str) -> None:
+    """Wait for a `key` notification sent after now (what is already queued is drained first)."""
+    svc.notify.poll(0.01)
+    since = time.monotonic()
+
+    def arrived() -> bool:
+        svc.notify.poll(0.05)
+        return svc.notify.count(key, since=since) > 0
+
+    _until(f"a fresh {key} on NOTIFY_SOCKET", arrived)
+
+
 def test_hung_engine_fails_health_and_starves_the_watchdog(model_dir: Path, workdir: Path) -> None:
+    """/health stays 200 while idle and until the loop has been hung for the stall bound, then 503 "stalled"; no
+    WATCHDOG=1 from then on. Timed against the engine's own heartbeat (frozen at the hang), not a wall-clock window,
+    so a loaded host can delay the flip's observation but not make a correct service fail."""
     env = {"SHARDSTACK_SERVE_FAILPOINT": "engine_hang", "WATCHDOG_USEC": "400000"}
-    with running_service(model_dir, workdir, "--stall-seconds", "1", "--drain-seconds", "1", env=env) as svc:
-        time.sleep(0.5)
-        assert httpx.get(svc.url + "/health").status_code == 200  # idle is not hung
-        svc.notify.poll(0.1)
-        assert svc.notify.count("WATCHDOG") >= 1  # fed while the loop iterates
+    with running_service(model_dir, workdir, "--stall-seconds", str(STALL), "--drain-seconds", "1", env=env) as svc:
+        # Idle for longer than the stall bound is not hung: the idle loop beats every 0.25 s.
+        time.sleep(max(0.0, svc.notify.wait_for("READY") + 1.5 * STALL - time.monotonic()))
+        assert httpx.get(svc.url + "/health").status_code == 200
+        _fresh(svc, "WATCHDOG")  # fed while the loop idles
 
         lines: list[str] = []
 
         def doomed() -> None:  # streamed: its headers go out before the engine hangs; the drain at teardown aborts it
             body = {"prompt": "hang the engine", "max_tokens": 8, "stream": True}
             with contextlib.suppress(httpx.HTTPError), httpx.stream("POST", svc.url + "/v1/completions", json=body,
-                                                                    timeout=30) as r:
+                                                                    timeout=CEILING) as r:
                 lines.extend(line for line in r.iter_lines() if line)
 
-        t0 = time.monotonic()
+        # The loop beats after taking this request and then hangs: its last heartbeat is after t0.
+        t0, t0_wall = time.monotonic(), time.time()
         doomed_thread = threading.Thread(target=doomed, daemon=True)
         doomed_thread.start()
-        while (r := httpx.get(svc.url + "/health")).status_code == 200:
-            assert time.monotonic() - t0 < 1 + 3, "/health still 200 well past the 1 s stall bound"
-            time.sleep(0.1)
-        elapsed = time.monotonic() - t0
+        ok_asked: list[float] = []  # wall time each /health that answered 200 was sent
+        while True:
+            asked = time.time()
+            r = httpx.get(svc.url + "/health", timeout=CEILING)
+            if r.status_code != 200:
+                break
+            ok_asked.append(asked)
+            assert time.monotonic() - t0 < CEILING, "/health still 200 with the engine hung"
+            time.sleep(0.05)
+        flipped = time.monotonic()
+        svc.notify.poll(0.01)  # every ping sent before that 503 was decided is queued by now: drain them
+        quiet_since = time.monotonic()
         assert r.status_code == 503 and r.json()["status"] == "stalled", r.text
-        assert 0.9 < elapsed < 4, elapsed
+        # Never early: the heartbeat froze after t0, so a correct 503 cannot arrive before t0 + the bound.
+        assert flipped - t0 > STALL and r.json()["heartbeat_age_seconds"] > STALL, (flipped - t0, r.text)
+        # Never late: no 200 to a probe sent once the loop had been hung (last heartbeat) for the bound.
+        hung_at = _heartbeat(svc.url)
+        assert hung_at >= t0_wall and "failpoint engine_hang: engine loop blocks now" in svc.log()
+        assert _heartbeat(svc.url) == hung_at  # frozen: the loop is hung, not slow
+        late = [asked - hung_at for asked in ok_asked if asked > hung_at + STALL]
+        assert not late, f"/health said 200 {late} s after the loop hung (bound {STALL} s)"
         new = _complete(svc.url, {"prompt": "anyone?", "max_tokens": 2})
         assert new.status_code == 503 and "no progress" in ErrorBody.model_validate_json(new.content).error.message
-        # No WATCHDOG=1 once stalled: systemd would now kill and restart the unit.
-        svc.notify.poll(0.3)
-        quiet_since = time.monotonic()
+        # No WATCHDOG=1 once stalled: systemd would now kill and restart the unit. The feeder logs when it sees the
+        # stall; after that, several of its 0.2 s intervals more without a ping.
+        _until("the watchdog feeder saw the stall", lambda: "engine loop stalled" in svc.log())
         svc.notify.poll(1.2)
         assert svc.notify.count("WATCHDOG", since=quiet_since) == 0
-        assert "engine loop stalled" in svc.log()
     # The stream already had its 200: the abort reached it in-band, in the same error shape, then [DONE].
-    doomed_thread.join(30)
+    doomed_thread.join(CEILING)
+    assert not doomed_thread.is_alive()
     assert lines[-1] == "data: [DONE]", lines
     err = ErrorBody.model_validate_json(lines[-2].removeprefix("data: ")).error
     assert (err.type, err.code) == ("server_error", "unavailable") and "aborted" in err.message
