@@ -19,6 +19,8 @@ APT_PACKAGES := python3-venv python3-dev debootstrap systemd-container apt-cache
                 util-linux prometheus prometheus-alertmanager haproxy git systemd-journal-remote \
                 rsyslog rsyslog-elasticsearch
 EXTRAS := train,serve,ops,dev
+# Records each stage's wall time and exit code; `make test` ends with its table (.ci/budget.py).
+BUDGET := python3 .ci/budget.py
 STAMP := $(VENV)/.installed-$(shell cat pyproject.toml | sha1sum | cut -c1-12)
 
 .PHONY: help setup apt venv demo test lint unit molecule e2e gpu-check pretrained clean
@@ -60,43 +62,53 @@ demo: setup
 	$(BIN)/shardstack demo
 
 lint: setup
-	ruff check runtime tests bench roles/dcgm_exporter/files
-	yamllint -s .
-	ansible-lint --offline -q
+	$(BUDGET) stage lint -- sh -ec 'ruff check runtime tests bench roles/dcgm_exporter/files .ci; yamllint -s .; \
+	  ansible-lint --offline -q'
 
 # pytest's exit code 5 ("no tests collected") fails the target like any other non-zero code. The slowest tests are
-# listed at the end: make test has a 45-minute budget on 2 cores.
+# listed at the end: make test has a 40-minute budget on 2 cores.
 unit: setup
-	pytest -q --durations=15
+	$(BUDGET) stage unit -- pytest -q --durations=15 --junitxml=artifacts/budget/unit.xml
 
-# Every scenario: `default` (site.yml on three lab nodes) and one per role. Each boots its own lab, named after the
-# scenario, so MOLECULE_JOBS of them run side by side; the longest start first so the two queues end together.
-# One line per scenario here; the whole output in artifacts/molecule/<scenario>.log (a failed one's failed tasks below).
+# Every scenario: `default` (site.yml on three lab nodes, the checks of every role it applies, then tests/e2e),
+# `accelerators` (the GPU- and hardware-gated roles), `journal` and `slurm`. Each boots its own lab, named after the
+# scenario, so MOLECULE_JOBS of them run side by side; the longest start first so the queues end together. One line
+# per scenario here; the whole output in artifacts/molecule/<scenario>.log (a failed one's failed tasks below).
+# SCENARIOS=… runs some of them; runs of disjoint lists may overlap (each cleans only its own files).
 MOLECULE_JOBS ?= 2
-MOLECULE_FIRST := default slurm nvidia_driver training_runtime journal inference_service prometheus firewall loadbalancer os_baseline rdma
-SCENARIOS := $(MOLECULE_FIRST) $(filter-out $(MOLECULE_FIRST),$(patsubst molecule/%/molecule.yml,%,$(wildcard molecule/*/molecule.yml)))
+MOLECULE_FIRST := default slurm journal accelerators
+SCENARIOS ?= $(MOLECULE_FIRST) $(filter-out $(MOLECULE_FIRST),$(patsubst molecule/%/molecule.yml,%,$(wildcard molecule/*/molecule.yml)))
 
 molecule: setup
-	@rm -rf artifacts/molecule && mkdir -p artifacts/molecule
-	@echo "molecule: $(words $(SCENARIOS)) scenarios, $(MOLECULE_JOBS) at a time"
+	@mkdir -p artifacts/molecule && rm -f $(foreach s,$(SCENARIOS),artifacts/molecule/$(s).*)
+	@echo "molecule: $(words $(SCENARIOS)) scenario(s) ($(SCENARIOS)), $(MOLECULE_JOBS) at a time"
 	@printf '%s\n' $(SCENARIOS) | xargs -P $(MOLECULE_JOBS) -I{} sh -c 'start=$$(date +%s); \
 	  if molecule test -s {} >artifacts/molecule/{}.log 2>&1; then r=passed; else r=FAILED; touch artifacts/molecule/{}.failed; fi; \
+	  echo "$$r $$(( $$(date +%s) - start ))" > artifacts/molecule/{}.result; \
 	  echo "molecule {}: $$r in $$(( $$(date +%s) - start )) s"' ; \
-	for f in artifacts/molecule/*.failed; do [ -e "$$f" ] || continue; s=$$(basename $$f .failed); \
+	for s in $(SCENARIOS); do [ -e artifacts/molecule/$$s.failed ] || continue; \
 	  echo "== $$s failed; its failed tasks, then the end of artifacts/molecule/$$s.log:"; \
 	  grep -a -B2 -A30 -E '(fatal|failed): \[|FAILED!|ERROR!' artifacts/molecule/$$s.log | head -n 150 || true; \
 	  tail -n 25 artifacts/molecule/$$s.log; done; \
-	! ls artifacts/molecule/*.failed >/dev/null 2>&1
+	! ls $(foreach s,$(SCENARIOS),artifacts/molecule/$(s).failed) >/dev/null 2>&1
 
 # The whole cluster on a 3-node lab of its own; `pytest` alone skips it (SHARDSTACK_E2E unset). `make test` runs the
 # same suite once, in molecule default's verify, on the cluster that scenario deployed (no second site.yml run).
 e2e: setup
 	SHARDSTACK_E2E=1 pytest -x -s tests/e2e
 
-# lint beside the unit tests (-O keeps each one's output together), then molecule: the 45-minute budget on 2 cores.
+# Two lanes on 2 cores: molecule default (the longest scenario, its e2e inside) from the start, beside lint and the
+# unit tests (-O keeps each one's output together) and then the other scenarios. The budget is 40 minutes; the table
+# of every stage's seconds and test counts comes last, also when a stage failed.
 test: setup
-	$(MAKE) --no-print-directory -j2 -O lint unit
-	$(MAKE) --no-print-directory molecule
+	@$(BUDGET) start
+	@rc=0; \
+	  $(BUDGET) stage molecule-default -- $(MAKE) --no-print-directory molecule SCENARIOS=default MOLECULE_JOBS=1 & lane=$$!; \
+	  $(MAKE) --no-print-directory -j2 -O lint unit || rc=$$?; \
+	  $(BUDGET) stage molecule-others -- $(MAKE) --no-print-directory molecule \
+	    SCENARIOS="$(filter-out default,$(SCENARIOS))" MOLECULE_JOBS=1 || rc=$$?; \
+	  wait $$lane || rc=$$?; \
+	  echo; $(BUDGET) table; exit $$rc
 
 # Benchmarks: `make bench-memory ARGS='--world-size 2'` runs bench/memory.py from the project venv. DeepSpeed is no
 # shardstack dependency: its comparison gets a bench-only venv in the cache, built here once.

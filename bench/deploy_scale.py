@@ -1,10 +1,13 @@
-"""Deploy time of site.yml on 1, 2 and 4 lab nodes: first run from bare nodes and an idempotent re-run.
+"""Deploy time of site.yml on 1, 2 and 4 lab nodes: first run from bare nodes and an idempotent re-run, each with
+its slowest tasks.
 
-    python bench/deploy_scale.py [--nodes 1 2 4] [--json out.json]
+    python bench/deploy_scale.py [--nodes 1 2 4] [--top 10] [--json out.json]
 
 Each size gets a fresh lab (prefix `eb`), the same prebuilt wheelhouse (its one-off build is not deploy time),
-and the lab's group layout (inventory.group_layout). Prints a table; the lab is taken down after each size.
-Needs root (the lab). On the 2-core CI host the first run is dominated by installing torch into each node's venv.
+and the lab's group layout (inventory.group_layout). Prints a table, then per size and run the --top tasks by wall
+time (first host's start to last host's end, from ansible-runner's per-host events; a task included in several
+plays counts once per play). The lab is taken down after each size. Needs root (the lab). On the 2-core CI host the
+first run is dominated by installing torch into each node's venv.
 """
 
 from __future__ import annotations
@@ -16,6 +19,8 @@ import platform
 import sys
 import tempfile
 import time
+from collections import defaultdict
+from datetime import datetime
 from pathlib import Path
 
 from shardstack.cli.output import Progress
@@ -24,7 +29,32 @@ from shardstack.ops.runner import project_dir, run_playbook
 from shardstack.ops.wheelhouse import build
 
 
-def deploy_times(nodes: int, wheelhouse: Path) -> dict:
+class Profile:
+    """Wall time per task from ansible-runner's per-host result events (what ansible.posix.profile_tasks prints,
+    without that collection)."""
+
+    RESULTS = ("runner_on_ok", "runner_on_failed", "runner_on_skipped", "runner_on_unreachable")
+
+    def __init__(self) -> None:
+        self._spans: dict[str, list] = {}  # task uuid -> [name, first start, last end]
+
+    def __call__(self, event: dict) -> None:
+        data = event.get("event_data", {})
+        if event.get("event") not in self.RESULTS or not data.get("start") or not data.get("end"):
+            return
+        start, end = datetime.fromisoformat(data["start"]), datetime.fromisoformat(data["end"])
+        name = f"{data['role']} : {data.get('task', '')}" if data.get("role") else data.get("task", "")
+        span = self._spans.setdefault(data.get("task_uuid", name), [name, start, end])
+        span[1], span[2] = min(span[1], start), max(span[2], end)
+
+    def top(self, n: int) -> list[tuple[str, float]]:
+        walls: dict[str, float] = defaultdict(float)
+        for name, start, end in self._spans.values():
+            walls[name] += (end - start).total_seconds()
+        return sorted(walls.items(), key=lambda kv: -kv[1])[:n]
+
+
+def deploy_times(nodes: int, wheelhouse: Path, top: int) -> dict:
     name = f"eb{nodes}"
     if name in lab.st.list_labs():
         lab.down(name, Progress())
@@ -35,8 +65,9 @@ def deploy_times(nodes: int, wheelhouse: Path) -> dict:
         boot = time.monotonic() - t
         try:
             extravars = {"training_runtime_wheelhouse_src": str(wheelhouse)}
-            first = run_playbook("site.yml", inventory, extravars=extravars)
-            again = run_playbook("site.yml", inventory, extravars=extravars)
+            first_profile, again_profile = Profile(), Profile()
+            first = run_playbook("site.yml", inventory, extravars=extravars, on_event=first_profile)
+            again = run_playbook("site.yml", inventory, extravars=extravars, on_event=again_profile)
         finally:
             lab.down(name, Progress())
     if not (first.success and again.success):
@@ -44,18 +75,20 @@ def deploy_times(nodes: int, wheelhouse: Path) -> dict:
                   if not r.success}
         raise SystemExit(f"{nodes} node(s): site.yml failed: {failed}")
     return {"nodes": nodes, "lab_up_s": round(boot, 1), "first_s": round(first.seconds, 1),
-            "first_changed": first.changed, "rerun_s": round(again.seconds, 1), "rerun_changed": again.changed}
+            "first_changed": first.changed, "rerun_s": round(again.seconds, 1), "rerun_changed": again.changed,
+            "first_top": first_profile.top(top), "rerun_top": again_profile.top(top)}
 
 
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--nodes", type=int, nargs="+", default=[1, 2, 4])
+    p.add_argument("--top", type=int, default=10, help="slowest tasks to list per run (default 10)")
     p.add_argument("--json", type=Path, help="also write the rows here")
     args = p.parse_args()
     if os.geteuid() != 0:
         raise SystemExit("the lab needs root")
     wh = build(project_dir(), log=lambda m: print(m, file=sys.stderr))
-    rows = [deploy_times(n, wh.path) for n in args.nodes]
+    rows = [deploy_times(n, wh.path, args.top) for n in args.nodes]
     load = os.getloadavg()[0]
     print(f"\nsite.yml deploy time on lab nodes ({os.cpu_count()} host cores, load {load:.1f}, "
           f"{platform.node()}; wheelhouse {wh.bytes / 2**20:.0f} MiB prebuilt)")
@@ -64,6 +97,11 @@ def main() -> int:
     for r in rows:
         print(f"{r['nodes']:>5} | {r['first_s']:>13.1f} | {r['first_changed']:>7} | {r['rerun_s']:>10.1f} | "
               f"{r['rerun_changed']:>7}")
+    for r in rows:
+        for run in ("first", "rerun"):
+            print(f"\n{r['nodes']} node(s), {'first run' if run == 'first' else 're-run'}: slowest tasks (wall s)")
+            for name, wall in r[f"{run}_top"]:
+                print(f"  {wall:7.1f}  {name}")
     if args.json:
         args.json.write_text(json.dumps({"rows": rows, "host_cores": os.cpu_count(), "load": load}, indent=2))
     return 0

@@ -3,6 +3,10 @@ the shared converge applying the role a scenario is named after."""
 
 from __future__ import annotations
 
+import os
+import re
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -30,7 +34,10 @@ def test_base_config_holds_what_is_common() -> None:
 @pytest.mark.parametrize("name", SCENARIOS)
 def test_scenario_holds_only_its_platforms_and_variables(name: str) -> None:
     scenario = _scenario(name)
-    assert set(scenario) <= {"platforms", "provisioner"}, sorted(scenario)
+    # default alone has its own test sequence: its e2e re-deploys site.yml from a wheel and wants 0 changed, which
+    # is molecule's idempotence step done once instead of twice.
+    assert set(scenario) <= {"platforms", "provisioner"} | ({"scenario"} if name == "default" else set()), \
+        sorted(scenario)
     assert set(scenario.get("provisioner", {})) <= {"inventory", "playbooks"}
     assert scenario["platforms"], "no lab node"
 
@@ -69,3 +76,32 @@ def test_every_role_has_a_scenario() -> None:
                for role in _converged_roles(REPO / "molecule" / name / "converge.yml")}
     assert without <= set(covered), f"roles no scenario converges: {sorted(without - set(covered))}"
     assert covered.get("munge") == "slurm"
+
+
+def test_default_skips_idempotence_for_the_e2e_redeploy_and_keeps_the_rest() -> None:
+    base = yaml.safe_load((REPO / ".config" / "molecule" / "config.yml").read_text())["scenario"]["test_sequence"]
+    own = _scenario("default")["scenario"]["test_sequence"]
+    assert own == [step for step in base if step != "idempotence"]
+    e2e = (REPO / "tests" / "e2e" / "test_cluster_e2e.py").read_text()
+    assert '"deploy", "-i"' in e2e and '"--check"' not in e2e  # a real re-deploy, which must change nothing
+
+
+@pytest.mark.parametrize(("scenario", "suite", "variable"), [
+    ("default", "tests/e2e/test_cluster_e2e.py", "SHARDSTACK_E2E"),
+    ("slurm", "tests/e2e/test_slurm_e2e.py", "SHARDSTACK_SLURM_INVENTORY"),
+])
+def test_a_verify_whose_e2e_skips_fails(scenario: str, suite: str, variable: str) -> None:
+    """The e2e suites skip every test without their variable: the verify's own pytest command, run without it,
+    must fail (--all-must-pass) instead of passing on skips."""
+    cmd = next(task["ansible.builtin.shell"]["cmd"]
+               for play in yaml.safe_load((REPO / "molecule" / scenario / "verify.yml").read_text())
+               for task in play.get("tasks", []) if suite in str(task.get("ansible.builtin.shell", "")))
+    assert f"{variable}=" in cmd
+    argv = re.search(rf"pytest (.*?){re.escape(suite)}", cmd)
+    assert argv, cmd
+    env = {k: v for k, v in os.environ.items() if not k.startswith("SHARDSTACK_E2E") and k != variable}
+    args = [a for a in argv.group(1).split() if not a.startswith("--junitxml")]  # not over the real run's file
+    proc = subprocess.run([sys.executable, "-m", "pytest", *args, suite], cwd=REPO, env=env,
+                          capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 1, proc.stdout[-3000:] + proc.stderr[-2000:]
+    assert "--all-must-pass: 0 of" in proc.stdout and "skipped" in proc.stdout, proc.stdout[-3000:]

@@ -1,0 +1,112 @@
+#!/usr/bin/env python3
+"""Where `make test`'s minutes go: `budget.py stage NAME -- CMD...` runs CMD and records its wall time and exit code
+under artifacts/budget/; `budget.py table` prints one table of every recorded stage (seconds, tests passed, skipped,
+failed) from those records, pytest's JUnit files and molecule's per-scenario results. Standard library only: it
+runs before and after the venv's tools."""
+
+from __future__ import annotations
+
+import json
+import re
+import subprocess
+import sys
+import time
+import xml.etree.ElementTree as ET
+from pathlib import Path
+
+ARTIFACTS = Path("artifacts")
+BUDGET = ARTIFACTS / "budget"
+MOLECULE = ARTIFACTS / "molecule"
+RECAP = re.compile(r"^\S+\s*:\s*ok=(\d+)\s+changed=\d+\s+unreachable=(\d+)\s+failed=(\d+)\s+skipped=(\d+)", re.M)
+
+
+def stage(name: str, argv: list[str]) -> int:
+    BUDGET.mkdir(parents=True, exist_ok=True)
+    started = time.time()
+    rc = subprocess.call(argv)
+    (BUDGET / f"{name}.json").write_text(json.dumps({"name": name, "argv": argv, "started": started,
+                                                     "seconds": time.time() - started, "rc": rc}))
+    return rc
+
+
+def junit_counts(path: Path) -> tuple[int, int, int] | None:
+    """(passed, skipped, failed) from a pytest JUnit file, None when there is none (or it is cut short)."""
+    try:
+        root = ET.parse(path).getroot()
+    except (OSError, ET.ParseError):
+        return None
+    suites = [root] if root.tag == "testsuite" else root.findall("testsuite")
+    total = sum(int(s.get("tests", 0)) for s in suites)
+    skipped = sum(int(s.get("skipped", 0)) for s in suites)
+    failed = sum(int(s.get("failures", 0)) + int(s.get("errors", 0)) for s in suites)
+    return total - skipped - failed, skipped, failed
+
+
+def verify_counts(log: Path) -> tuple[int, int, int] | None:
+    """(ok, skipped, failed) tasks of a molecule log's last play recap (its verify, or where it stopped)."""
+    try:
+        text = log.read_text(errors="replace")
+    except OSError:
+        return None
+    recaps = text.split("PLAY RECAP")
+    if len(recaps) < 2:
+        return None
+    rows = RECAP.findall(recaps[-1].split("\n\n")[0])
+    return (sum(int(r[0]) for r in rows), sum(int(r[3]) for r in rows),
+            sum(int(r[1]) + int(r[2]) for r in rows)) if rows else None
+
+
+def rows() -> list[tuple[str, float | None, str, tuple[int, int, int] | None, str]]:
+    """(stage, seconds, result, (passed, skipped, failed), what the counts are)."""
+    out = []
+    records = sorted((json.loads(p.read_text()) for p in BUDGET.glob("*.json")), key=lambda r: r["started"])
+    for rec in records:
+        name, result = rec["name"], "ok" if rec["rc"] == 0 else f"FAILED (rc {rec['rc']})"
+        counts = junit_counts(BUDGET / f"{name}.xml")
+        out.append((name, rec["seconds"], result, counts, "tests" if counts else ""))
+        if name.startswith("molecule"):
+            # `make molecule SCENARIOS="a b"` ran those; plain `make molecule` every scenario.
+            given = [a.split("=", 1)[1].split() for a in rec.get("argv", []) if a.startswith("SCENARIOS=")]
+            results = [MOLECULE / f"{s}.result" for s in given[0]] if given else list(MOLECULE.glob("*.result"))
+            for res in sorted((r for r in results if r.is_file()), key=lambda p: -float(p.read_text().split()[1])):
+                scenario = res.stem
+                state, seconds = res.read_text().split()[:2]
+                # The e2e suites' JUnit files, written by the verify that runs them (molecule/*/verify.yml).
+                e2e = junit_counts(MOLECULE / f"{scenario}.e2e.xml")
+                counts, what = (e2e, "e2e tests") if e2e else (verify_counts(MOLECULE / f"{scenario}.log"),
+                                                                "verify tasks")
+                out.append((f"  {scenario}", float(seconds), "ok" if state == "passed" else "FAILED", counts,
+                            what if counts else ""))
+    return out
+
+
+def table() -> str:
+    lines = [f"{'stage':<24}{'seconds':>9}{'passed':>8}{'skipped':>9}{'failed':>8}  result"]
+    for name, seconds, result, counts, what in rows():
+        p, s, f = (str(n) for n in counts) if counts else ("-", "-", "-")
+        secs = f"{seconds:.0f}" if seconds is not None else "-"
+        lines.append(f"{name:<24}{secs:>9}{p:>8}{s:>9}{f:>8}  {result}{'  (' + what + ')' if what else ''}")
+    start = BUDGET / "start"
+    if start.is_file():
+        lines.append(f"{'total (wall)':<24}{time.time() - float(start.read_text()):>9.0f}")
+    return "\n".join(lines)
+
+
+def main(argv: list[str]) -> int:
+    if len(argv) >= 4 and argv[0] == "stage" and argv[2] == "--":
+        return stage(argv[1], argv[3:])
+    if argv == ["start"]:
+        BUDGET.mkdir(parents=True, exist_ok=True)
+        for old in BUDGET.iterdir():
+            old.unlink()
+        (BUDGET / "start").write_text(str(time.time()))
+        return 0
+    if argv == ["table"]:
+        print(table())
+        return 0
+    print("usage: budget.py start | stage NAME -- CMD... | table", file=sys.stderr)
+    return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))

@@ -1,0 +1,62 @@
+"""`.ci/budget.py`, the table `make test` ends with: each stage's wall time and exit code, pytest's counts from its
+JUnit file, molecule scenarios with their e2e counts or their verify's task recap."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+BUDGET = Path(__file__).resolve().parents[2] / ".ci" / "budget.py"
+
+
+def _budget(cwd: Path, *args: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, str(BUDGET), *args], cwd=cwd, capture_output=True, text=True, timeout=300)
+
+
+def _row(table: str, stage: str) -> list[str]:
+    return next(line.split() for line in table.splitlines() if line.split() and line.split()[0] == stage)
+
+
+def test_stages_pytest_counts_and_molecule_scenarios_make_one_table(tmp_path: Path) -> None:
+    (tmp_path / "test_sample.py").write_text(
+        "import pytest\n\ndef test_a():\n    pass\n\ndef test_b():\n    pass\n\n"
+        "@pytest.mark.skip(reason='x')\ndef test_c():\n    pass\n")
+    assert _budget(tmp_path, "start").returncode == 0
+    unit = _budget(tmp_path, "stage", "unit", "--", sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider",
+                   "test_sample.py", "--junitxml=artifacts/budget/unit.xml")
+    assert unit.returncode == 0, unit.stdout + unit.stderr
+    failing = _budget(tmp_path, "stage", "lint", "--", sys.executable, "-c", "raise SystemExit(3)")
+    assert failing.returncode == 3  # the stage's own exit code, so make sees the failure
+    molecule = tmp_path / "artifacts" / "molecule"
+    molecule.mkdir(parents=True)
+    (molecule / "journal.result").write_text("passed 383\n")
+    (molecule / "journal.log").write_text(
+        "PLAY RECAP ***\nnode1 : ok=40 changed=0 unreachable=0 failed=0 skipped=3 rescued=0 ignored=0\n"
+        "PLAY RECAP ***\nnode1 : ok=12 changed=1 unreachable=0 failed=0 skipped=2 rescued=0 ignored=0\n"
+        "node2 : ok=10 changed=0 unreachable=0 failed=1 skipped=0 rescued=0 ignored=0\n\nlater output\n")
+    (molecule / "journal.failed").touch()
+    (molecule / "slurm.result").write_text("FAILED 946\n")
+    e2e = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "test_sample.py",
+                          "--junitxml=artifacts/molecule/slurm.e2e.xml"], cwd=tmp_path, capture_output=True)
+    assert e2e.returncode == 0
+    assert _budget(tmp_path, "stage", "molecule-others", "--", sys.executable, "-c", "pass",
+                   "SCENARIOS=journal slurm").returncode == 0
+
+    out = _budget(tmp_path, "table")
+    assert out.returncode == 0, out.stderr
+    table = out.stdout
+    assert _row(table, "stage")[:5] == ["stage", "seconds", "passed", "skipped", "failed"]
+    assert _row(table, "unit")[2:6] == ["2", "1", "0", "ok"]
+    assert _row(table, "lint")[2:] == ["-", "-", "-", "FAILED", "(rc", "3)"]
+    assert _row(table, "molecule-others")[-1] == "ok"
+    # Longest scenario first; the e2e's JUnit counts where there is one, else the last recap's tasks.
+    assert _row(table, "slurm")[1:7] == ["946", "2", "1", "0", "FAILED", "(e2e"]
+    assert _row(table, "journal")[1:7] == ["383", "22", "2", "1", "ok", "(verify"]
+    assert table.index("slurm") < table.index("journal")
+    assert _row(table, "total")[0:2] == ["total", "(wall)"]
+
+
+def test_bad_usage_exits_2(tmp_path: Path) -> None:
+    out = _budget(tmp_path, "stage", "x")
+    assert out.returncode == 2 and "usage" in out.stderr
