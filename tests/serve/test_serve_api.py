@@ -5,6 +5,7 @@ concurrent requests, /info, /health and /metrics."""
 from __future__ import annotations
 
 import json
+import threading
 from concurrent.futures import ThreadPoolExecutor
 
 import httpx
@@ -208,8 +209,15 @@ def test_concurrent_requests_are_batched_and_match_sequential_results(client: ht
     steps_before = _metric(client, "shardstack_infer_engine_steps_total")
     batched_before = _metric(client, "shardstack_infer_batch_size_count") - _metric(
         client, 'shardstack_infer_batch_size_bucket{le="1.0"}')
+    # Released together: threads that a loaded host starts one by one must not spread the 8 over their decoding.
+    barrier = threading.Barrier(8)
+
+    def fire(body: dict) -> dict:
+        barrier.wait()
+        return client.post("/v1/completions", headers=AUTH, json=body).json()
+
     with ThreadPoolExecutor(8) as pool:
-        results = list(pool.map(lambda b: client.post("/v1/completions", headers=AUTH, json=b).json(), bodies))
+        results = list(pool.map(fire, bodies))
     assert [r["choices"][0]["text"] for r in results] == sequential
     steps = _metric(client, "shardstack_infer_engine_steps_total") - steps_before
     batched = _metric(client, "shardstack_infer_batch_size_count") - _metric(

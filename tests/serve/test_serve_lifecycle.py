@@ -228,7 +228,7 @@ def test_sigterm_drains_in_flight_refuses_new_and_exits_zero(small_svc: Service)
         assert time.monotonic() < deadline, state
         time.sleep(0.02)
     svc.proc.send_signal(signal.SIGTERM)
-    svc.notify.wait_for("STOPPING", timeout=10)
+    svc.notify.wait_for("STOPPING", timeout=CEILING)
     # Still listening, but not admitting: the balancer sees 503 on /health and new requests get 503.
     health = httpx.get(svc.url + "/health")
     refused = _complete(svc.url, {"prompt": "too late", "max_tokens": 4})
