@@ -97,17 +97,14 @@ molecule: setup
 e2e: setup
 	SHARDSTACK_E2E=1 pytest -x -s tests/e2e
 
-# Two lanes on 2 cores: molecule default (the longest scenario, its e2e inside) from the start, beside lint and the
-# unit tests (-O keeps each one's output together) and then the other scenarios. The budget is 40 minutes; the table
-# of every stage's seconds and test counts comes last, also when a stage failed.
+# Two at a time on 2 cores, from one queue: molecule default (the longest, its e2e inside) from the start beside lint
+# and the unit tests (-O keeps each one's output together), then each other scenario as a lane comes free. The
+# budget is 40 minutes; the table of every stage's seconds and test counts comes last, also when a stage failed.
 test: setup
 	@$(BUDGET) start
-	@rc=0; \
-	  $(BUDGET) stage molecule-default -- $(MAKE) --no-print-directory molecule SCENARIOS=default MOLECULE_JOBS=1 & lane=$$!; \
-	  $(MAKE) --no-print-directory -j2 -O lint unit || rc=$$?; \
-	  $(BUDGET) stage molecule-others -- $(MAKE) --no-print-directory molecule \
-	    SCENARIOS="$(filter-out default,$(SCENARIOS))" MOLECULE_JOBS=1 || rc=$$?; \
-	  wait $$lane || rc=$$?; \
+	@rc=0; printf '%s\n' default lint-unit $(filter-out default,$(SCENARIOS)) | xargs -P 2 -I{} sh -c \
+	  'if [ {} = lint-unit ]; then $(MAKE) --no-print-directory -j2 -O lint unit; \
+	   else $(MAKE) --no-print-directory molecule SCENARIOS={} MOLECULE_JOBS=1; fi' || rc=$$?; \
 	  echo; $(BUDGET) table; exit $$rc
 
 # Benchmarks: `make bench-memory ARGS='--world-size 2'` runs bench/memory.py from the project venv. DeepSpeed is no

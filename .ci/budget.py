@@ -24,8 +24,8 @@ def stage(name: str, argv: list[str]) -> int:
     BUDGET.mkdir(parents=True, exist_ok=True)
     started = time.time()
     rc = subprocess.call(argv)
-    (BUDGET / f"{name}.json").write_text(json.dumps({"name": name, "argv": argv, "started": started,
-                                                     "seconds": time.time() - started, "rc": rc}))
+    (BUDGET / f"{name}.json").write_text(json.dumps({"name": name, "started": started, "seconds": time.time() - started,
+                                                     "rc": rc}))
     return rc
 
 
@@ -57,26 +57,22 @@ def verify_counts(log: Path) -> tuple[int, int, int] | None:
 
 
 def rows() -> list[tuple[str, float | None, str, tuple[int, int, int] | None, str]]:
-    """(stage, seconds, result, (passed, skipped, failed), what the counts are)."""
+    """(stage, seconds, result, (passed, skipped, failed), what the counts are): the recorded stages in the order
+    they started, then every molecule scenario of artifacts/molecule/, the longest first."""
     out = []
     records = sorted((json.loads(p.read_text()) for p in BUDGET.glob("*.json")), key=lambda r: r["started"])
     for rec in records:
         name, result = rec["name"], "ok" if rec["rc"] == 0 else f"FAILED (rc {rec['rc']})"
         counts = junit_counts(BUDGET / f"{name}.xml")
         out.append((name, rec["seconds"], result, counts, "tests" if counts else ""))
-        if name.startswith("molecule"):
-            # `make molecule SCENARIOS="a b"` ran those; plain `make molecule` every scenario.
-            given = [a.split("=", 1)[1].split() for a in rec.get("argv", []) if a.startswith("SCENARIOS=")]
-            results = [MOLECULE / f"{s}.result" for s in given[0]] if given else list(MOLECULE.glob("*.result"))
-            for res in sorted((r for r in results if r.is_file()), key=lambda p: -float(p.read_text().split()[1])):
-                scenario = res.stem
-                state, seconds = res.read_text().split()[:2]
-                # The e2e suites' JUnit files, written by the verify that runs them (molecule/*/verify.yml).
-                e2e = junit_counts(MOLECULE / f"{scenario}.e2e.xml")
-                counts, what = (e2e, "e2e tests") if e2e else (verify_counts(MOLECULE / f"{scenario}.log"),
-                                                                "verify tasks")
-                out.append((f"  {scenario}", float(seconds), "ok" if state == "passed" else "FAILED", counts,
-                            what if counts else ""))
+    for res in sorted(MOLECULE.glob("*.result"), key=lambda p: -float(p.read_text().split()[1])):
+        scenario = res.stem
+        state, seconds = res.read_text().split()[:2]
+        # The e2e suites' JUnit files, written by the verify that runs them (molecule/*/verify.yml).
+        e2e = junit_counts(MOLECULE / f"{scenario}.e2e.xml")
+        counts, what = (e2e, "e2e tests") if e2e else (verify_counts(MOLECULE / f"{scenario}.log"), "verify tasks")
+        out.append((f"molecule {scenario}", float(seconds), "ok" if state == "passed" else "FAILED", counts,
+                    what if counts else ""))
     return out
 
 
@@ -97,7 +93,7 @@ def main(argv: list[str]) -> int:
         return stage(argv[1], argv[3:])
     if argv == ["start"]:
         BUDGET.mkdir(parents=True, exist_ok=True)
-        for old in BUDGET.iterdir():
+        for old in [*BUDGET.iterdir(), *MOLECULE.glob("*.result")]:  # this run's scenarios write theirs anew
             old.unlink()
         (BUDGET / "start").write_text(str(time.time()))
         return 0
