@@ -17,7 +17,10 @@ from pathlib import Path
 ARTIFACTS = Path("artifacts")
 BUDGET = ARTIFACTS / "budget"
 MOLECULE = ARTIFACTS / "molecule"
-RECAP = re.compile(r"^\S+\s*:\s*ok=(\d+)\s+changed=\d+\s+unreachable=(\d+)\s+failed=(\d+)\s+skipped=(\d+)", re.M)
+# A row of ansible's play recap, once molecule's colours, "│" margins and line wrapping are taken out.
+RECAP = re.compile(r"(\S+)\s*:\s*ok=(\d+)\s+changed=\d+\s+unreachable=(\d+)\s+failed=(\d+)\s+skipped=(\d+)")
+ANSI = re.compile(r"\x1b\[[0-9;]*m")
+MARGIN = re.compile(r"^[ \t]*[│└─]*[ \t]?", re.M)
 
 
 def stage(name: str, argv: list[str]) -> int:
@@ -43,17 +46,18 @@ def junit_counts(path: Path) -> tuple[int, int, int] | None:
 
 
 def verify_counts(log: Path) -> tuple[int, int, int] | None:
-    """(ok, skipped, failed) tasks of a molecule log's last play recap (its verify, or where it stopped)."""
+    """(ok, skipped, failed) tasks of the verify's play recaps in a molecule log, None without a verify."""
     try:
-        text = log.read_text(errors="replace")
+        text = MARGIN.sub("", ANSI.sub("", log.read_text(errors="replace")))
     except OSError:
         return None
-    recaps = text.split("PLAY RECAP")
-    if len(recaps) < 2:
+    start = text.find("➜ verify: Executing")
+    if start < 0:
         return None
-    rows = RECAP.findall(recaps[-1].split("\n\n")[0])
-    return (sum(int(r[0]) for r in rows), sum(int(r[3]) for r in rows),
-            sum(int(r[1]) + int(r[2]) for r in rows)) if rows else None
+    end = text.find("➜ verify: Executed", start)
+    rows = RECAP.findall(text[start:end if end > 0 else None])
+    return (sum(int(r[1]) for r in rows), sum(int(r[4]) for r in rows),
+            sum(int(r[2]) + int(r[3]) for r in rows)) if rows else None
 
 
 def rows() -> list[tuple[str, float | None, str, tuple[int, int, int] | None, str]]:

@@ -33,10 +33,18 @@ def test_stages_pytest_counts_and_molecule_scenarios_make_one_table(tmp_path: Pa
     molecule = tmp_path / "artifacts" / "molecule"
     molecule.mkdir(parents=True)
     (molecule / "journal.result").write_text("passed 383\n")
+    # As molecule writes it: colours, a "│" margin, recap rows wrapped; converge's recap is not the verify's.
     (molecule / "journal.log").write_text(
-        "PLAY RECAP ***\nnode1 : ok=40 changed=0 unreachable=0 failed=0 skipped=3 rescued=0 ignored=0\n"
-        "PLAY RECAP ***\nnode1 : ok=12 changed=1 unreachable=0 failed=0 skipped=2 rescued=0 ignored=0\n"
-        "node2 : ok=10 changed=0 unreachable=0 failed=1 skipped=0 rescued=0 ignored=0\n\nlater output\n")
+        "INFO     journal \u279c converge: Executing\n  \u2502 PLAY RECAP\n"
+        "  \u2502 node1 : ok=40   changed=9    unreachable=0    failed=0\n  \u2502   skipped=3    rescued=0\n"
+        "INFO     journal \u279c verify: Executing\n  \x1b[2m\u2502\x1b[0m PLAY RECAP\n"
+        "  \x1b[2m\x1b[33m\u2502\x1b[0m \x1b[33mnode1                      : ok=12   changed=1    unreachable=0    "
+        "failed=0\x1b[0m\n  \x1b[2m\x1b[33m\u2502\x1b[0m \x1b[33m  skipped=2    rescued=0    ignored=0\x1b[0m\n"
+        "  \u2502 node2                      : ok=10   changed=0    unreachable=0    failed=1\n"
+        "  \u2502   skipped=0    rescued=0    ignored=0\n  \u2514\u2500 Return code: 2\n"
+        "INFO     journal \u279c verify: Executed: Failed\nINFO     journal \u279c destroy: Executing\n"
+        "  \u2502 PLAY RECAP\n  \u2502 localhost : ok=3    changed=2    unreachable=0    failed=0\n"
+        "  \u2502   skipped=0    rescued=0\n")
     (molecule / "journal.failed").touch()
     (molecule / "slurm.result").write_text("FAILED 946\n")
     e2e = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "test_sample.py",
