@@ -105,7 +105,7 @@ test: setup
 	@rc=0; printf '%s\n' default lint-unit $(filter-out default,$(SCENARIOS)) | xargs -P 2 -I{} sh -c \
 	  'if [ {} = lint-unit ]; then $(MAKE) --no-print-directory -j2 -O lint unit; \
 	   else $(MAKE) --no-print-directory molecule SCENARIOS={} MOLECULE_JOBS=1; fi' || rc=$$?; \
-	  echo; $(BUDGET) table; exit $$rc
+	  echo; $(BUDGET) table || echo 'budget: no table (.ci/budget.py failed)'; exit $$rc
 
 # Benchmarks: `make bench-memory ARGS='--world-size 2'` runs bench/memory.py from the project venv. DeepSpeed is no
 # shardstack dependency: its comparison gets a bench-only venv in the cache, built here once.
