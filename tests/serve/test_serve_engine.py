@@ -1,5 +1,6 @@
 """The continuous-batching engine in-process: batched results equal one-at-a-time results, slots are reused,
-admission is bounded, cancellation frees a slot, and a request that fails takes no neighbour down with it."""
+admission is bounded, cancellation frees a slot, a request that fails takes no neighbour down with it, prefill
+computes the head at the last position only, and no step prefills more than the budget (long prompts are chunked)."""
 
 from __future__ import annotations
 
@@ -14,6 +15,7 @@ import torch
 from shardstack.model.artifact import load_model
 from shardstack.model.kvcache import KVCache
 from shardstack.model.tokenizer import ByteTokenizer
+from shardstack.serve.runner import ModelRunner
 from shardstack.serve.sampling import SamplingParams
 from shardstack.serve.scheduler import Output, QueueFull, Scheduler, Sequence
 from shardstack.serve.text import eos_ids, model_tokenizer
@@ -249,3 +251,69 @@ def test_a_llama_with_bpe_stops_at_its_eos_without_sending_it(bpe_model_dir: Pat
             assert (got.data, got.finish, got.tokens) == (tok.decode(ids[:-1]), "stop", EOS_AT)
     finally:
         eng.stop()
+
+
+@torch.no_grad()
+@pytest.mark.parametrize("arch", ["gpt", "llama"])
+def test_prefill_applies_the_head_to_each_rows_last_position_only(arch: str, request: pytest.FixtureRequest) -> None:
+    m = load_model(request.getfixturevalue("model_dir" if arch == "gpt" else "bpe_model_dir"), "cpu",
+                   torch.float32)[0]
+    runner = ModelRunner(m, slots=3, context=64, device="cpu", dtype=torch.float32)
+    ids = torch.randint(0, m.config.vocab_size, (20,), generator=torch.Generator().manual_seed(0)).tolist()
+    prompts = [ids[:17], ids[:5], ids[:1]]  # right-padded to 17: the last real positions are 16, 4 and 0
+    heads: list[tuple[tuple[int, ...], tuple[int, ...]]] = []
+    hook = m.lm_head.register_forward_hook(lambda _m, args, out: heads.append((tuple(args[0].shape), out.shape)))
+    try:
+        out = runner.prefill(prompts, [0, 1, 2])
+    finally:
+        hook.remove()
+    hidden, vocab = m.config.d_model, m.config.vocab_size
+    assert heads == [((3, 1, hidden), (3, 1, vocab))] and out.shape == (3, vocab)  # not [3, 17, V]
+    for row, prompt in enumerate(prompts):  # a full forward without a cache: [1, T, V], its last position
+        torch.testing.assert_close(out[row], m(torch.tensor([prompt]))[0, -1])
+    # The same prompt in chunks, each continuing in its slot where the last ended, ends at the same logits.
+    p = prompts[0]
+    runner.prefill([p[:6]], [2], [0])
+    runner.prefill([p[6:12]], [2], [6])
+    torch.testing.assert_close(runner.prefill([p[12:]], [2], [12])[0], out[0])
+
+
+def test_a_prompt_over_the_prefill_budget_is_chunked_while_others_decode(model, model_dir: Path) -> None:
+    # On main the first admitted request was prefilled whole, whatever its length: a 200-token prompt was one
+    # 200-token step, however small --max-prefill-tokens. Now no forward pass takes more than the budget.
+    budget = 16
+    eng = Scheduler(model, tokenizer=BYTES, max_batch=2, max_queue=0, device="cpu", dtype=torch.float32,
+                    max_prefill_tokens=budget)
+    widths: list[int] = []  # tokens per row of every forward pass
+    hook = model.register_forward_pre_hook(lambda _m, args: widths.append(args[0].size(1)))
+    eng.start()
+    try:
+        short_prompt = list(b"keep decoding")
+        alone = eng.generate(short_prompt, 60, STILL)
+        short, long_ = Collector(), Collector()
+        short_seq = Sequence(short_prompt, 60, STILL, [], short)
+        eng.submit(short_seq)
+        while short_seq.generated == 0:  # running: decoding from now on
+            assert not short.done.is_set()
+            time.sleep(0.001)
+        long_prompt = list(b"0123456789abcdefghij" * 10)  # 200 tokens: 13 chunks of at most 16
+        at_long_first: list[int] = []  # the short request's tokens when the long one sampled its first
+
+        def on_long(ev: Output) -> None:
+            if not at_long_first:
+                at_long_first.append(short_seq.generated)
+            long_(ev)
+
+        before = short_seq.generated
+        eng.submit(Sequence(long_prompt, 8, STILL, [], on_long))
+        assert short.done.wait(60) and long_.done.wait(60)
+    finally:
+        eng.stop()
+        hook.remove()
+    assert max(widths) <= budget, widths
+    chunks = -(-len(long_prompt) // budget)
+    # One decode step of the running request after each of the long prompt's chunks but its last, at least.
+    assert at_long_first[0] - before >= chunks - 1, (before, at_long_first)
+    assert (short.data, short.finish) == alone  # its neighbour's chunks left its cache slot alone
+    # The chunked prefill generates what plain forward passes over the whole prompt do.
+    assert (long_.data, long_.finish) == (BYTES.decode(greedy_ids(model_dir, long_prompt, 8)), "length")

@@ -140,15 +140,19 @@ class GPT(nn.Module):
         cache: KVCache | None = None,
         slots: torch.Tensor | None = None,
         positions: torch.Tensor | None = None,
+        last: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """Logits [B, T, V], or the mean cross-entropy when `targets` is given.
 
-        With `cache`, row b of `idx` continues the sequence in cache slot `slots[b]` from `positions[b]`.
+        With `cache`, row b of `idx` continues the sequence in cache slot `slots[b]` from `positions[b]`. With
+        `last` ([B] indices into T), only row b's hidden state at `last[b]` reaches the head: logits [B, 1, V].
         """
         pos, layer_caches = positions_and_caches(idx, self.config.seq_len, len(self.blocks), cache, slots, positions)
         x = self.drop(self.tok_emb(idx) + self.pos_emb(pos))
         for block, layer_cache in zip(self.blocks, layer_caches, strict=True):
             x = block(x, layer_cache)
+        if last is not None:  # a prefill samples from one position per row: skip the head's T·V elsewhere
+            x = x[torch.arange(x.size(0), device=x.device), last][:, None]
         logits = self.lm_head(self.ln_f(x))
         if targets is None:
             return logits

@@ -1,9 +1,10 @@
 """The model runner: the model and its KV cache on one device, and the two forward passes the scheduler needs.
 
-`prefill` right-pads the prompts of newly admitted requests to a common length and writes them into their cache
-slots (the padding writes entries past each prompt's end, which that row's mask hides and its own decode steps
-later overwrite); `decode` runs one token for each running request at its own position. Both return the logits
-of each row's last real position, [B, V].
+`prefill` right-pads prompt pieces (whole prompts, or a chunk of a long one continuing at its own position) to a
+common length and writes them into their cache slots (the padding writes entries past each piece's end, which
+that row's mask hides and its own later steps overwrite); `decode` runs one token for each running request at its
+own position. Both return the logits of each row's last real position, [B, V]: prefill applies the LM head to
+that one position only, not to all T.
 """
 
 from __future__ import annotations
@@ -28,7 +29,10 @@ class ModelRunner:
     def kv_cache_bytes(self) -> int:
         return 2 * self.cache.k.numel() * self.cache.k.element_size()
 
-    def prefill(self, prompts: list[list[int]], slots: list[int]) -> torch.Tensor:
+    def prefill(self, prompts: list[list[int]], slots: list[int], starts: list[int] | None = None) -> torch.Tensor:
+        """Write each row's tokens into its slot from `starts[row]` (default 0) and return the logits of each row's
+        last token, [B, V]. Rows that start at different positions must not be padded past the context: the
+        scheduler only batches rows that start at 0."""
         longest = max(len(p) for p in prompts)
         idx = torch.zeros(len(prompts), longest, dtype=torch.long)
         for row, prompt in enumerate(prompts):
@@ -37,10 +41,10 @@ class ModelRunner:
             idx.to(self.device),
             cache=self.cache,
             slots=torch.tensor(slots, device=self.device),
-            positions=torch.zeros(len(prompts), dtype=torch.long, device=self.device),
+            positions=torch.tensor(starts or [0] * len(prompts), dtype=torch.long, device=self.device),
+            last=torch.tensor([len(p) - 1 for p in prompts], device=self.device),
         )
-        last = torch.tensor([len(p) - 1 for p in prompts], device=self.device)
-        return logits[torch.arange(len(prompts), device=self.device), last]
+        return logits[:, 0]
 
     def decode(self, tokens: list[int], slots: list[int], positions: list[int]) -> torch.Tensor:
         logits = self.model(

@@ -6,6 +6,12 @@ past each prompt's end, which that row's mask hides and its own decode steps lat
 one decode step for every running request at its own position. A request leaves the batch the moment it
 finishes, and its slot is reused on the next iteration, so short and long requests never wait for each other.
 
+No iteration prefills more than `max_prefill_tokens` (padded) prompt tokens, so no prompt can stall the decoding
+of the others for longer than one such prefill. A prompt longer than that budget is admitted alone and prefilled
+in chunks of `max_prefill_tokens`, one per iteration, each continuing in its slot where the last one ended (the
+cached forward takes a start position per row); the running requests decode between its chunks, and requests
+behind it are admitted once its remaining chunk leaves room in an iteration's budget.
+
 The loop runs on its own thread (torch releases the GIL inside kernels) and hands results to the caller
 through a callback; the asyncio side wraps it with `loop.call_soon_threadsafe`. `heartbeat` is refreshed on
 every iteration, including idle ones, so a stale heartbeat means the loop is stuck, not merely idle.
@@ -65,7 +71,7 @@ class Sequence:
     id: int = field(default_factory=itertools.count().__next__)
     arrived: float = field(default_factory=time.monotonic)
     slot: int = -1
-    pos: int = 0  # tokens already in the cache
+    pos: int = 0  # tokens already in the cache (< len(prompt) while a long prompt is prefilled in chunks)
     last: int = -1  # last sampled token, the next decode input
     generated: int = 0
     first_token_at: float | None = None
@@ -103,6 +109,8 @@ class Scheduler:
         metrics: SchedulerMetrics | None = None,
         failpoint: str | None = None,
     ) -> None:
+        if max_prefill_tokens < 1:  # a step must make progress on a prompt
+            raise ValueError("max_prefill_tokens must be at least 1")
         # The KV cache holds `context` tokens per slot: the model's, or less (a Hugging Face Llama 3 says 128k).
         self.context = min(model.config.seq_len, context or model.config.seq_len)
         self.runner = ModelRunner(model, slots=max_batch, context=self.context, device=device, dtype=dtype)
@@ -120,6 +128,7 @@ class Scheduler:
         self._free = list(range(max_batch))  # a heap
         self._waiting: deque[Sequence] = deque()
         self._running: list[Sequence] = []
+        self._chunking: Sequence | None = None  # the running request prefilled in chunks (engine thread only)
         self._cond = threading.Condition()
         self._stop = False
         self._hang = threading.Event()
@@ -216,8 +225,14 @@ class Scheduler:
     def _report_depth(self) -> None:
         self.metrics.queue_depth(len(self._running), len(self._waiting))
 
-    def _admit(self) -> list[Sequence]:
-        """Move waiting requests into free slots, bounded by the padded prefill budget. Caller holds the lock."""
+    def _chunk(self, seq: Sequence) -> int:
+        """How many prompt tokens `seq` prefills in this iteration."""
+        return min(self.max_prefill_tokens, len(seq.prompt) - seq.pos)
+
+    def _admit(self, budget: int) -> list[Sequence]:
+        """Move waiting requests into free slots while their padded prefill fits `budget` tokens; the admitted ones
+        are returned for one padded prefill together. A prompt longer than the whole budget (which no batch can
+        fit) becomes `_chunking` instead, when nothing else prefills in this iteration. Caller holds the lock."""
         admitted: list[Sequence] = []
         longest = 0
         while self._waiting and self._free:
@@ -226,12 +241,19 @@ class Scheduler:
                 self._waiting.popleft()
                 continue
             longest_if = max(longest, len(seq.prompt))
-            if admitted and (len(admitted) + 1) * longest_if > self.max_prefill_tokens:
-                break
+            chunked = False
+            if (len(admitted) + 1) * longest_if > budget:
+                # Wait (first in, first out) unless it is the only prefill of an iteration's whole budget.
+                if admitted or self._chunking is not None or len(seq.prompt) <= self.max_prefill_tokens:
+                    break
+                chunked = True
             self._waiting.popleft()
             seq.slot = heapq.heappop(self._free)
-            admitted.append(seq)
             self._running.append(seq)
+            if chunked:
+                self._chunking = seq
+                break
+            admitted.append(seq)
             longest = longest_if
         return admitted
 
@@ -250,7 +272,10 @@ class Scheduler:
                     self._beat()
                 if self._stop:
                     return
-                admitted = self._admit()
+                # A prompt being chunked takes its next chunk out of this iteration's budget first.
+                pending = self._chunk(self._chunking) if self._chunking is not None else 0
+                admitted = self._admit(self.max_prefill_tokens - pending)
+                chunking = self._chunking
                 batch = sorted((s for s in self._running if not s.cancelled), key=lambda s: s.slot)
                 self._report_depth()
             if self.failpoint == FAILPOINT_HANG and any(not s.internal for s in batch):
@@ -259,10 +284,15 @@ class Scheduler:
                 return
             try:
                 with torch.inference_mode():
+                    # Two passes, not one padded one: a chunk starts mid-sequence, and padding it to the fresh
+                    # prompts' length could run past the context.
+                    if chunking is not None and not chunking.cancelled:
+                        self._prefill([chunking])
                     fresh = [s for s in admitted if not s.cancelled]
                     if fresh:
                         self._prefill(fresh)
-                    decoding = [s for s in batch if not s.finished]  # fresh ones too: their 2nd token
+                    # Fresh ones too (their 2nd token); not a prompt still being chunked (nothing sampled yet).
+                    decoding = [s for s in batch if not s.finished and s.generated]
                     if decoding:
                         self._decode(decoding)
                 self.steps += 1
@@ -282,6 +312,8 @@ class Scheduler:
         for seq in self._running:
             if seq.finished or seq.cancelled:
                 heapq.heappush(self._free, seq.slot)
+                if seq is self._chunking:
+                    self._chunking = None
                 if seq.finished and not seq.internal:
                     self._avg_seconds = 0.8 * self._avg_seconds + 0.2 * (time.monotonic() - seq.arrived)
             else:
@@ -289,12 +321,20 @@ class Scheduler:
         self._running = keep
 
     def _prefill(self, seqs: list[Sequence]) -> None:
-        rows = self.runner.prefill([s.prompt for s in seqs], [s.slot for s in seqs])
-        for seq in seqs:
-            seq.pos = len(seq.prompt)
+        """Prefill each sequence's next chunk (a fresh prompt's all of it) in one padded pass; those whose prompt
+        is then all in the cache sample their first token. Rows must all start at 0, or be one row alone."""
+        ends = [s.pos + self._chunk(s) for s in seqs]
+        rows = self.runner.prefill([s.prompt[s.pos:end] for s, end in zip(seqs, ends, strict=True)],
+                                   [s.slot for s in seqs], [s.pos for s in seqs])
+        for seq, end in zip(seqs, ends, strict=True):
             if not seq.internal:
-                self.metrics.tokens(len(seq.prompt), 0)
-        self._sample_and_emit(seqs, rows)
+                self.metrics.tokens(end - seq.pos, 0)
+            seq.pos = end
+        done = [row for row, s in enumerate(seqs) if s.pos == len(s.prompt)]
+        if self._chunking is not None and self._chunking.pos == len(self._chunking.prompt):
+            self._chunking = None  # that was its last chunk: from now on it decodes like any other
+        if done:
+            self._sample_and_emit([seqs[row] for row in done], rows[done])
 
     def _decode(self, seqs: list[Sequence]) -> None:
         logits = self.runner.decode([s.last for s in seqs], [s.slot for s in seqs], [s.pos for s in seqs])
