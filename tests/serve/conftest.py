@@ -20,6 +20,7 @@ from pathlib import Path
 
 import httpx
 import pytest
+from shardstack.model.tokenizer import HFTokenizer
 from shardstack.serve.demo import write_random_model
 
 READY_TIMEOUT = 180.0  # import torch + load + warm-up on a busy 2-core machine (importing torch alone: 37 s at load 9)
@@ -159,6 +160,18 @@ def bpe_model_dir(bpe_tokenizer_dir: Path) -> Iterator[Path]:
         config = json.loads((out / "generation_config.json").read_text())
         (out / "generation_config.json").write_text(json.dumps({**config, "eos_token_id": [0, ids[-1]]}))
         yield out
+
+
+class CountingTokenizer(HFTokenizer):
+    """A real tokenizer that counts the prompts it encodes."""
+
+    def __init__(self, directory: Path) -> None:
+        super().__init__(directory)
+        self.calls = 0
+
+    def encode_prompt(self, text: str) -> list[int]:
+        self.calls += 1
+        return super().encode_prompt(text)
 
 
 @pytest.fixture

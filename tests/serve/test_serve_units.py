@@ -4,19 +4,33 @@ shape, sd_notify."""
 from __future__ import annotations
 
 import json
+import math
 import os
 import socket
+import threading
+import time
 from pathlib import Path
 
 import pytest
 import torch
 from shardstack.model.tokenizer import ByteTokenizer, HFTokenizer, Tokenizer
 from shardstack.serve.notify import Notifier
-from shardstack.serve.protocol import QUOTE_CHARS, ApiError, ErrorBody, Limits, PromptContext, parse_completion
+from shardstack.serve.protocol import (
+    QUOTE_CHARS,
+    ApiError,
+    ErrorBody,
+    Limits,
+    PromptContext,
+    default_body_limit,
+    parse_completion,
+)
 from shardstack.serve.sampling import SamplingParams, make_generator, sample
-from shardstack.serve.text import TextStream
+from shardstack.serve.text import UNBOUNDED_BYTES_PER_TOKEN, TextStream, max_input_bytes_per_token
+
+from .conftest import CountingTokenizer
 
 BYTES = ByteTokenizer()
+CORPUS = Path(__file__).parents[2] / "runtime" / "shardstack" / "corpus" / "stdlib-docstrings.txt"
 
 
 def _feed(tokenizer: Tokenizer, stops: list[str], ids: list[int]) -> tuple[list[str], bool]:
@@ -279,6 +293,103 @@ def test_bodies_that_are_not_a_json_object(raw: bytes) -> None:
     err = _rejection(None, raw)
     assert (err.status, err.param, err.code) == (400, None, "invalid_json")
     assert len(err.json()) < 400
+
+
+def _edited(bpe_tokenizer_dir: Path, out: Path, edit) -> HFTokenizer:
+    """The BPE tokenizer with its tokenizer.json's pipeline changed by `edit` (a function of the JSON)."""
+    spec = json.loads((bpe_tokenizer_dir / "tokenizer.json").read_text())
+    edit(spec)
+    out.mkdir()
+    (out / "tokenizer.json").write_text(json.dumps(spec))
+    return HFTokenizer(out)
+
+
+def test_bytes_per_token_bounds_what_one_token_stands_for(bpe: HFTokenizer, bpe_tokenizer_dir: Path,
+                                                          tmp_path: Path) -> None:
+    assert max_input_bytes_per_token(BYTES) == 1
+    # Byte-level BPE: one character of a vocabulary entry is one byte ("Ġ" is the space).
+    longest = max(len(t) for t in bpe.tok.get_vocab())
+    assert max_input_bytes_per_token(bpe) == longest == 33
+    corpus = CORPUS.read_text()
+    texts = [corpus[i : i + 3000] for i in range(0, 60_000, 3000)]
+    texts += [" " * 5000, "=" * 5000, " " + "=" * 4999, "\n" * 5000, "é🚀" * 500, "<|endoftext|>" * 100]
+    for text in texts:  # the bound the size check relies on: N bytes are at least ceil(N / bound) tokens
+        assert len(bpe.encode_prompt(text)) >= math.ceil(len(text.encode()) / longest), text[:40]
+
+    def sentencepiece_like(spec: dict) -> None:  # Llama 2's: "▁" for spaces, byte fallback
+        spec["normalizer"] = {"type": "Sequence", "normalizers": [{"type": "Prepend", "prepend": "▁"},
+                              {"type": "Replace", "pattern": {"String": " "}, "content": "▁"}]}
+        spec["pre_tokenizer"] = None
+        spec["model"].update(unk_token="<|endoftext|>", fuse_unk=True, byte_fallback=True)
+
+    sp = _edited(bpe_tokenizer_dir, tmp_path / "sp", sentencepiece_like)
+    assert max_input_bytes_per_token(sp) == max(len(t.encode()) for t in bpe.tok.get_vocab())  # UTF-8 bytes
+
+    # Pipelines that can drop or shrink text give no bound from their vocabulary.
+    for name, edit in [
+        ("whitespace", lambda s: s.update(pre_tokenizer={"type": "Whitespace"})),
+        ("nfkc", lambda s: s.update(normalizer={"type": "NFKC"})),
+        ("strip", lambda s: s.update(normalizer={"type": "Sequence", "normalizers": [{"type": "Strip",
+                                     "strip_left": True, "strip_right": True}]})),
+        ("lstrip", lambda s: s["added_tokens"][0].update(lstrip=True)),
+        ("fused unknown", lambda s: s["model"].update(unk_token="<|endoftext|>", fuse_unk=True)),
+    ]:
+        assert max_input_bytes_per_token(_edited(bpe_tokenizer_dir, tmp_path / name, edit)) == \
+            UNBOUNDED_BYTES_PER_TOKEN, name
+
+
+def test_an_oversize_text_prompt_is_refused_before_it_is_encoded(bpe_tokenizer_dir: Path) -> None:
+    tok = CountingTokenizer(bpe_tokenizer_dir)
+    ctx = PromptContext(tok, 4096)
+    most = (LIMITS.context - 1) * ctx.bytes_per_token  # the longest text that could still fit: 63 tokens of 33
+    for prompt in ("a" * (most + 1), ["a" * (most + 1)], "é" * (most // 2 + 1), "x" * 10**6):
+        err = _rejection({"prompt": prompt}, prompt=ctx)
+        assert (err.status, err.param, err.code) == (400, "prompt", "context_length_exceeded")
+        assert err.message.startswith("prompt: ") and len(err.json()) < 400
+    assert tok.calls == 0
+    # At the bound the tokenizer decides (here: 2079 bytes of "a" are far more than 64 tokens).
+    err = _rejection({"prompt": "a" * most}, prompt=ctx)
+    assert (err.status, err.code, tok.calls) == (400, "context_length_exceeded", 1)
+    assert _parse({"prompt": "hello"}, ctx).prompt == tok.encode("hello") and tok.calls == 2
+
+
+def test_encoding_a_prompt_lets_other_threads_run(bpe: HFTokenizer) -> None:
+    # tokenizers' Tokenizer.encode holds the GIL for the whole encoding (0.9 s for this text here, during which the
+    # other thread got 2 turns, both before the encoding began); encode_prompt goes through the batch API, which
+    # releases it (0.4 s, ~600 turns). Parsed on a worker thread, a long prompt then leaves the event loop running.
+    text = CORPUS.read_text()[:200_000] * 5
+    encoding, done, turns = threading.Event(), threading.Event(), []
+
+    def other() -> None:
+        while not done.is_set():
+            if encoding.is_set():
+                turns.append(1)
+            time.sleep(0.0005)
+
+    thread = threading.Thread(target=other)
+    thread.start()
+    try:
+        encoding.set()
+        ids = bpe.encode_prompt(text)
+        encoding.clear()
+    finally:
+        done.set()
+        thread.join()
+    assert ids == bpe.encode(text)
+    assert len(turns) >= 20, len(turns)
+
+
+@pytest.mark.parametrize("bytes_per_token", [1, 33, UNBOUNDED_BYTES_PER_TOKEN])
+def test_the_default_body_limit_holds_any_prompt_that_fits(bytes_per_token: int) -> None:
+    limit = default_body_limit(LIMITS.context, bytes_per_token)
+    most = (LIMITS.context - 1) * bytes_per_token
+    bodies = [
+        {"prompt": "\x01" * most, "max_tokens": 1},  # 6 bytes of JSON per byte of text: the worst escaping
+        {"prompt": "🚀" * (most // 4), "max_tokens": 1},  # ensure_ascii: a surrogate pair, 12 bytes per 4
+        {"prompt": [4095] * (LIMITS.context - 1), "max_tokens": 1, "stop": ["x" * 64] * 4, "user": "u" * 1000},
+    ]
+    for body in bodies:
+        assert len(json.dumps(body, indent=4).encode()) <= limit
 
 
 def test_error_body_is_openais_shape() -> None:

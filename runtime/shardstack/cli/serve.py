@@ -48,9 +48,10 @@ def register(sub: argparse._SubParsersAction) -> None:
                    help="ceiling for a request's max_tokens (default: the model context)")
     p.add_argument("--context", type=_positive(int), default=None,
                    help="tokens per KV-cache slot, at most the model's (default: the model's context)")
-    p.add_argument("--max-body-bytes", type=_positive(int), default=1 << 20, help="request body limit (1 MiB)")
+    p.add_argument("--max-body-bytes", type=_positive(int), default=None,
+                   help="request body limit (default: room for the longest prompt that fits the context)")
     p.add_argument("--max-prefill-tokens", type=_positive(int), default=4096,
-                   help="padded prompt tokens prefilled in one step (default 4096)")
+                   help="prompt tokens prefilled in one engine step; longer prompts are chunked (default 4096)")
     p.add_argument("--token-file", type=Path, default=None,
                    help="file holding a bearer token required on /v1/* and /info")
     p.add_argument("--device", default="auto", help="auto (GPU when present) | cpu | cuda | cuda:N")

@@ -82,8 +82,12 @@ class HFTokenizer:
 
     def encode_prompt(self, text: str) -> list[int]:
         """A prompt as the model expects it: with what tokenizer.json's post-processor adds (Llama 3's
-        <|begin_of_text|>; nothing for a tokenizer from `tokenizer train`, whose models never saw a BOS)."""
-        return self.tok.encode(text, add_special_tokens=True).ids
+        <|begin_of_text|>; nothing for a tokenizer from `tokenizer train`, whose models never saw a BOS).
+
+        Through the batch API: `Tokenizer.encode` holds the GIL for the whole encoding (a server's event loop stops
+        while a long prompt is encoded on a worker thread), `encode_batch` releases it; `_fast` skips the offsets."""
+        encode = getattr(self.tok, "encode_batch_fast", self.tok.encode_batch)  # _fast: tokenizers >= 0.21
+        return encode([text], add_special_tokens=True)[0].ids
 
     def decode(self, ids: Sequence[int]) -> str:
         return self.tok.decode(list(ids), skip_special_tokens=False)

@@ -21,7 +21,7 @@ from starlette.requests import Request
 from shardstack.model.tokenizer import Tokenizer
 from shardstack.serve.metrics import ServeMetrics
 from shardstack.serve.notify import Notifier
-from shardstack.serve.protocol import ApiError, Limits, PromptContext
+from shardstack.serve.protocol import ApiError, Limits, PromptContext, default_body_limit
 from shardstack.serve.sampling import SamplingParams
 from shardstack.serve.scheduler import Output, Scheduler
 from shardstack.serve.settings import ServeSettings, resolve_device, resolve_dtype
@@ -77,6 +77,7 @@ class Service:
         self.limits: Limits | None = None
         self.tokenizer: Tokenizer | None = None
         self.prompt: PromptContext | None = None  # what request validation needs of the model
+        self.max_body_bytes: int | None = settings.max_body_bytes  # set at load when not given
         self.device: torch.device | None = None
         self.dtype: torch.dtype | None = None
         self.on_failure: Callable[[], None] = lambda: None  # the server sets this to stop itself
@@ -109,7 +110,10 @@ class Service:
                                metrics=self.metrics, failpoint=s.failpoint)
             context = engine.context
             self.limits = Limits(context=context, max_tokens=min(s.max_tokens or context, context - 1))
-            self.tokenizer, self.prompt = tokenizer, PromptContext(tokenizer, vocab)
+            ctx = PromptContext(tokenizer, vocab)
+            self.tokenizer, self.prompt = tokenizer, ctx
+            if self.max_body_bytes is None:
+                self.max_body_bytes = default_body_limit(context, ctx.bytes_per_token)
             self.metrics.bind_heartbeat(lambda: engine.heartbeat_wall)
             engine.start()
             self.engine, self.meta = engine, meta
@@ -124,9 +128,10 @@ class Service:
             self.on_failure()
             return
         log.info("model %s (%s) loaded and warmed up in %.1fs on %s (%s): %d params, tokenizer %s (%d tokens), "
-                 "context %d, %d slots", self.name, meta.get("arch", "gpt"), time.monotonic() - started, self.device,
+                 "context %d (text prompts up to %d bytes, bodies up to %d), %d slots", self.name,
+                 meta.get("arch", "gpt"), time.monotonic() - started, self.device,
                  str(self.dtype).removeprefix("torch."), model.num_params(), tokenizer.name, tokenizer.vocab_size,
-                 context, s.max_concurrency)
+                 context, (context - 1) * ctx.bytes_per_token, self.max_body_bytes, s.max_concurrency)
         with self._lock:
             if self.phase == "loading":
                 self.phase = "ready"

@@ -1,7 +1,10 @@
 """The OpenAI-compatible request schema for `POST /v1/completions` (pydantic v2) and the one error shape.
 
-`parse_completion` turns the raw body into a typed `CompletionRequest` or raises `ApiError`. The body is decoded
-with the standard library (strict UTF-8) and validated in strict mode: no coercion of `"5"` to 5 or `true` to 1,
+`parse_completion` turns the raw body into a typed `CompletionRequest` or raises `ApiError`. It is CPU work that
+grows with the body (JSON, validation, encoding the prompt), so the app runs it on a worker thread, and a text
+prompt longer in bytes than any prompt that fits the context could be is refused before it is encoded
+(`PromptContext.bytes_per_token`). The body is decoded with the standard library (strict UTF-8) and validated in
+strict mode: no coercion of `"5"` to 5 or `true` to 1,
 unknown fields are errors (a typo like `max_token` does not pass silently), text must be valid Unicode (a lone
 UTF-16 surrogate escape is refused by name), and sampling values must be ones float32 can honour. Anything a
 client can send maps to a 4xx; 5xx is reserved for faults of the service itself.
@@ -14,6 +17,7 @@ Every error the service returns has OpenAI's shape, `ErrorBody`:
 from __future__ import annotations
 
 import json
+import math
 from dataclasses import dataclass
 from typing import Annotated, Any
 
@@ -22,6 +26,7 @@ from pydantic_core import PydanticCustomError
 
 from shardstack.model.tokenizer import Tokenizer
 from shardstack.serve.sampling import FLOAT32_TINY, SamplingParams
+from shardstack.serve.text import max_input_bytes_per_token
 
 MAX_STOP_SEQUENCES = 4
 MAX_STOP_BYTES = 64
@@ -193,6 +198,23 @@ class PromptContext:
 
     tokenizer: Tokenizer
     vocab_size: int  # the model's embedding rows: token ids must be below it
+    bytes_per_token: int = 0  # most prompt bytes one token stands for; 0: text.max_input_bytes_per_token's
+
+    def __post_init__(self) -> None:
+        if self.bytes_per_token <= 0:  # derived once, at load: reading a large vocabulary is not per-request work
+            object.__setattr__(self, "bytes_per_token", max_input_bytes_per_token(self.tokenizer))
+
+
+# A body's bytes per prompt token at most: JSON spells a byte as at most 6 ("\u0001"), a token id with its
+# separator and some whitespace in well under 16; plus room for every other field.
+_JSON_BYTES_PER_BYTE, _JSON_BYTES_PER_ID, _BODY_SLACK = 6, 16, 64 << 10
+
+
+def default_body_limit(context: int, bytes_per_token: int) -> int:
+    """The body size limit when none is set: room for the largest prompt that can fit `context` tokens, as text
+    (however escaped) or as token ids, and the other fields."""
+    per_token = max(_JSON_BYTES_PER_BYTE * bytes_per_token, _JSON_BYTES_PER_ID)
+    return _BODY_SLACK + (context - 1) * per_token
 
 
 @dataclass(frozen=True)
@@ -229,6 +251,20 @@ def _rejection(exc: ValidationError) -> ApiError:
     return invalid(param, err["msg"])
 
 
+def _check_prompt_bytes(value: Any, limits: Limits, prompt: PromptContext) -> None:
+    """Refuse a text prompt too long in bytes to fit the context, before anything encodes it: N bytes are at least
+    ceil(N / bytes_per_token) tokens. What is not a text prompt is left to validation."""
+    if isinstance(value, list) and len(value) == 1:
+        value = value[0]
+    if not isinstance(value, str):
+        return
+    size = len(value.encode("utf-8", "surrogatepass"))  # a lone surrogate is refused later, by validation
+    least = math.ceil(size / prompt.bytes_per_token)
+    if least >= limits.context:
+        raise invalid("prompt", f"{size} bytes of text cannot be fewer than {least} tokens with this tokenizer, "
+                      f"which does not fit the model context of {limits.context}", code="context_length_exceeded")
+
+
 def parse_completion(raw: bytes, limits: Limits, served_model: str, prompt: PromptContext) -> CompletionRequest:
     """Validate a raw request body and encode its prompt; raises ApiError (400, or 404 for a model not served
     here)."""
@@ -241,6 +277,7 @@ def parse_completion(raw: bytes, limits: Limits, served_model: str, prompt: Prom
                       code="invalid_json") from None
     if not isinstance(data, dict):
         raise invalid(None, "the request body must be a JSON object", code="invalid_json")
+    _check_prompt_bytes(data.get("prompt"), limits, prompt)
     try:
         body = CompletionBody.model_validate(data, context={"prompt": prompt})
     except ValidationError as exc:

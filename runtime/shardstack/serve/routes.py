@@ -11,6 +11,7 @@ from collections.abc import AsyncIterator
 from typing import Any
 
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+from starlette.concurrency import run_in_threadpool
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.types import Receive
@@ -65,7 +66,7 @@ async def info(request: Request) -> JSONResponse:
             "max_queue": s.max_queue,
             "max_tokens": svc.limits.max_tokens if svc.limits else None,
             "context": svc.limits.context if svc.limits else None,
-            "max_body_bytes": s.max_body_bytes,
+            "max_body_bytes": svc.max_body_bytes,
         },
         **s.extra_info,
     }
@@ -106,9 +107,11 @@ async def completions(request: Request) -> Response:
     media = request.headers.get("content-type", "").split(";")[0].strip().lower()
     if media != "application/json":
         raise ApiError(415, "Content-Type must be application/json", code="unsupported_media_type")
-    raw = await _read_body(request, svc.settings.max_body_bytes)
-    assert svc.limits is not None and svc.prompt is not None
-    req = parse_completion(raw, svc.limits, svc.name, svc.prompt)
+    assert svc.limits is not None and svc.prompt is not None and svc.max_body_bytes is not None
+    raw = await _read_body(request, svc.max_body_bytes)
+    # JSON, validation and the tokenizer take time that grows with the body: on a worker thread, so /health and
+    # the other streams keep being served meanwhile (HFTokenizer encodes without holding the GIL).
+    req = await run_in_threadpool(parse_completion, raw, svc.limits, svc.name, svc.prompt)
     access = request_fields(request.scope)  # token counts for the access log (never the prompt itself)
     access["prompt_tokens"] = len(req.prompt)
 

@@ -22,8 +22,8 @@ class ServeSettings:
     max_queue: int = 64  # admitted requests waiting for a slot; beyond that: 429
     max_tokens: int | None = None  # per-request ceiling; default: the model context
     context: int | None = None  # tokens per KV-cache slot, at most the model's (default: the model's)
-    max_body_bytes: int = 1 << 20
-    max_prefill_tokens: int = 4096  # padded tokens per prefill batch; bounds the stall it causes to decoding
+    max_body_bytes: int | None = None  # None: protocol.default_body_limit of the context and the tokenizer
+    max_prefill_tokens: int = 4096  # prompt tokens per engine step (longer prompts are chunked): bounds the stall
     token: str | None = None  # bearer token for /v1/* and /info; None = open
     device: str = "auto"  # auto | cpu | cuda | cuda:N
     dtype: str = "auto"  # auto (bf16 on a GPU that has it, else fp32) | float32 | bfloat16 | float16

@@ -18,6 +18,13 @@ from shardstack.errors import ShardstackError
 from shardstack.model.tokenizer import TOKENIZER_JSON, ByteTokenizer, HFTokenizer, IncrementalDetokenizer, Tokenizer
 
 GENERATION_CONFIG = "generation_config.json"
+# Bytes per token assumed where the vocabulary gives no bound (a pipeline that can drop or shrink text: BERT-style
+# whitespace splitting, accent stripping, an unknown token for whole words). Generous: WordPiece's [UNK] stands for
+# at most 100 characters (≤ 400 bytes); no real token covers 1 KiB.
+UNBOUNDED_BYTES_PER_TOKEN = 1024
+# Parts of a tokenizer.json pipeline that never make text shorter, so a token covers at most its own string's bytes.
+_KEEP_NORMALIZERS = {"Prepend"}  # and Replace of a string by one at least as long
+_KEEP_PRE_TOKENIZERS = {"ByteLevel", "Metaspace", "Digits", "Punctuation", "UnicodeScripts", "Split"}
 
 
 def model_tokenizer(model_dir: Path, meta: dict[str, Any], vocab_size: int) -> Tokenizer:
@@ -35,6 +42,55 @@ def model_tokenizer(model_dir: Path, meta: dict[str, Any], vocab_size: int) -> T
         raise ShardstackError(f"{model_dir}: the tokenizer has {tok.vocab_size} tokens, the model embeds only "
                               f"{vocab_size}", hint="serve the model with the tokenizer it was trained with")
     return tok
+
+
+def max_input_bytes_per_token(tokenizer: Tokenizer) -> int:
+    """The most bytes of UTF-8 prompt text one token can stand for, so a prompt of N bytes is at least
+    ceil(N / this) tokens and can be refused by its size before it is encoded.
+
+    Bytes: 1. A tokenizer.json whose pipeline cannot drop or shrink text (no normalizer but Prepend or a lengthening
+    Replace, pre-tokenizers that split without removing, BPE without a fused unknown token, added tokens that strip
+    no whitespace): its longest token string, counted in characters for byte-level BPE (one character per byte)
+    and in UTF-8 bytes otherwise (SentencePiece's "▁" stands for one byte but is three). Anything else:
+    UNBOUNDED_BYTES_PER_TOKEN."""
+    if isinstance(tokenizer, ByteTokenizer):
+        return 1
+    if not isinstance(tokenizer, HFTokenizer):
+        return UNBOUNDED_BYTES_PER_TOKEN
+    spec = json.loads(tokenizer.tok.to_str())
+    model = spec.get("model") or {}
+    pre = _parts(spec.get("pre_tokenizer"), "pretokenizers")
+    added = spec.get("added_tokens") or []
+    keeps_text = (
+        all(_lengthens(n) for n in _parts(spec.get("normalizer"), "normalizers"))
+        and all(p.get("type") in _KEEP_PRE_TOKENIZERS and p.get("behavior") != "Removed" for p in pre)
+        and model.get("type") == "BPE" and isinstance(model.get("vocab"), dict)
+        and (model.get("unk_token") is None or model.get("byte_fallback") or not model.get("fuse_unk"))
+        and not any(a.get("lstrip") or a.get("rstrip") for a in added)
+    )
+    if not keeps_text:
+        return UNBOUNDED_BYTES_PER_TOKEN
+    byte_level = any(p.get("type") == "ByteLevel" for p in pre)
+    longest = max((len(t) if byte_level else len(t.encode("utf-8")) for t in model["vocab"]), default=1)
+    # An unknown token (unfused) stands for one character: at most 4 bytes.
+    return max(longest, 4 if model.get("unk_token") else 1, *(len(a["content"].encode("utf-8")) for a in added))
+
+
+def _parts(component: dict[str, Any] | None, key: str) -> list[dict[str, Any]]:
+    """A tokenizer.json normalizer or pre-tokenizer as the flat list of its parts (Sequence nests them)."""
+    if not component:
+        return []
+    if component.get("type") == "Sequence":
+        return [p for inner in component.get(key) or [] for p in _parts(inner, key)]
+    return [component]
+
+
+def _lengthens(normalizer: dict[str, Any]) -> bool:
+    if normalizer.get("type") in _KEEP_NORMALIZERS:
+        return True
+    pattern = (normalizer.get("pattern") or {}).get("String")
+    return (normalizer.get("type") == "Replace" and isinstance(pattern, str)
+            and len(str(normalizer.get("content", "")).encode("utf-8")) >= len(pattern.encode("utf-8")))
 
 
 def eos_ids(model_dir: Path, tokenizer: Tokenizer) -> frozenset[int]:
