@@ -44,6 +44,9 @@ STATS_PASSWORD = "stats-pass-for-tests"
 # What the inference service itself would answer (docs/serving.md, "Errors"): HAProxy's own bodies must be these.
 RATE_LIMITED = ApiError(429, "rate limit exceeded; retry later", code="rate_limit_exceeded")
 UNAVAILABLE = ApiError(503, "no inference replica is available; retry later", code="unavailable")
+TOO_LARGE = ApiError(413, "request body too large", code="payload_too_large")
+TOO_MANY_CONNECTIONS = ApiError(429, "too many concurrent connections from this client; retry later",
+                                code="rate_limit_exceeded")
 GATE_CEILING = 120.0  # s: the most a gated backend holds a request, or a test waits for a state, on a loaded host
 
 
@@ -185,9 +188,10 @@ def lb(tmp_path: Path) -> Iterator[dict]:
             server.server_close()
 
 
-def post(lb: dict, headers: dict[str, str] | None = None) -> tuple[int, bytes, dict[str, str]]:
+def post(lb: dict, headers: dict[str, str] | None = None,
+         data: bytes = b'{"prompt": "x"}') -> tuple[int, bytes, dict[str, str]]:
     """POST /v1/completions over HTTPS, trusting the cluster CA: (status, raw body, lower-cased headers)."""
-    req = urllib.request.Request(f"{lb['https']}/v1/completions", data=b'{"prompt": "x"}', method="POST",
+    req = urllib.request.Request(f"{lb['https']}/v1/completions", data=data, method="POST",
                                  headers={"Content-Type": "application/json", **(headers or {})})
     try:
         with urllib.request.urlopen(req, timeout=10, context=lb["ep"].tls) as resp:
@@ -452,6 +456,50 @@ def test_requests_beyond_every_servers_maxconn_wait_in_haproxys_queue(tmp_path: 
     else:
         assert codes == [200, 200, 503]
         assert next(c.body for c in answers if c.status == 503) == json.loads(UNAVAILABLE.json())
+
+
+@contextlib.contextmanager
+def _two_backends(tmp_path: Path, **overrides: object) -> Iterator[dict]:
+    """HAProxy with the role's configuration (and `overrides`) in front of backends a and b, both UP."""
+    files = issue(tmp_path / "credentials", "lb", ["127.0.0.1"])
+    port = free_port()
+    a, b = Backend("127.0.0.2", port, "a"), Backend("127.0.0.3", port, "b")
+    try:
+        with running_haproxy(tmp_path, files, {"a": "127.0.0.2", "b": "127.0.0.3"}, port, **overrides) as running:
+            wait_up(running["metrics"], {"a", "b"})
+            yield {**running, "a": a, "b": b, "ep": Endpoint(running["https"], None, files["ca_cert"])}
+    finally:
+        for server in (a, b):
+            server.shutdown()
+            server.server_close()
+
+
+def test_a_body_announced_over_the_edge_limit_gets_413_and_reaches_no_backend(tmp_path: Path) -> None:
+    with _two_backends(tmp_path, loadbalancer_max_body_bytes=1024) as lb:
+        status, body, headers = post(lb, data=b" " * 1025)
+        assert (status, body, headers["content-type"]) == (413, TOO_LARGE.json(), "application/json")
+        assert lb["a"].hits.total() + lb["b"].hits.total() == 0
+        assert post(lb, data=b'{"prompt": "x"}'.ljust(1024))[0] == 200  # at the limit: passed on
+
+
+def test_a_client_over_its_connection_limit_gets_429_while_its_held_requests_are_served(tmp_path: Path) -> None:
+    """Two connections held open by requests the backends do not answer yet: a third connection from the same
+    address gets HAProxy's 429 without reaching a backend; once the held ones finish the client is served again."""
+    with _two_backends(tmp_path, loadbalancer_client_max_connections=2) as lb:
+        a, b = lb["a"], lb["b"]
+        a.gate = b.gate = gate = threading.Event()
+        with ThreadPoolExecutor(2) as pool:
+            try:
+                held = [pool.submit(complete, lb["ep"], "x", timeout=GATE_CEILING) for _ in range(2)]
+                _until("two requests held by the backends", lambda: a.in_flight + b.in_flight == 2)
+                status, body, headers = post(lb)
+                assert (status, body, headers["retry-after"]) == (429, TOO_MANY_CONNECTIONS.json(), "1")
+                assert a.in_flight + b.in_flight == 2 and a.hits.total() + b.hits.total() == 0
+            finally:
+                gate.set()
+            assert [f.result().status for f in held] == [200, 200]
+        # The limit counts open connections: with the held ones closed, the next request is served.
+        _until("a request served after the held ones closed", lambda: post(lb)[0] == 200)
 
 
 def test_validate_probes_over_https_and_no_secret_reaches_the_runner_artifacts(tmp_path: Path) -> None:
