@@ -44,6 +44,7 @@ STATS_PASSWORD = "stats-pass-for-tests"
 # What the inference service itself would answer (docs/serving.md, "Errors"): HAProxy's own bodies must be these.
 RATE_LIMITED = ApiError(429, "rate limit exceeded; retry later", code="rate_limit_exceeded")
 UNAVAILABLE = ApiError(503, "no inference replica is available; retry later", code="unavailable")
+NOT_AT_THE_EDGE = ApiError(404, "no such path at the load balancer: its API is /v1/* and /info", code="not_found")
 TOO_LARGE = ApiError(413, "request body too large", code="payload_too_large")
 TOO_MANY_CONNECTIONS = ApiError(429, "too many concurrent connections from this client; retry later",
                                 code="rate_limit_exceeded")
@@ -57,8 +58,9 @@ def free_port() -> int:
 
 
 class Backend(http.server.ThreadingHTTPServer):
-    """/health answers `health`; POST answers `post` with the backend's name (503 = draining), when `gate` is set
-    only once the test sets that event. `in_flight`/`max_in_flight` count the POSTs being answered."""
+    """/health answers `health`; POST answers `post` with the backend's name (503 = draining; 0 = the backend dies
+    running it: the connection closes with no answer), when `gate` is set only once the test sets that event.
+    `in_flight`/`max_in_flight` count the POSTs being answered."""
 
     def __init__(self, addr: str, port: int, name: str) -> None:
         self.name, self.health, self.post, self.hits = name, 200, 200, Counter()
@@ -92,6 +94,10 @@ class _Handler(http.server.BaseHTTPRequestHandler):
         self.rfile.read(int(self.headers.get("Content-Length", 0)))
         self.server.forwarded.append(self.headers.get("X-Forwarded-For"))
         self.server.request_ids.extend(self.headers.get_all("X-Request-ID") or [None])
+        if self.server.post == 0:
+            self.server.hits[0] += 1
+            self.close_connection = True
+            return
         with self.server.lock:
             self.server.in_flight += 1
             self.server.max_in_flight = max(self.server.max_in_flight, self.server.in_flight)
@@ -339,6 +345,20 @@ def test_a_draining_backend_503_is_retried_on_the_other(lb: dict) -> None:
     codes = Counter(post(lb)[0] for _ in range(20))
     assert codes == Counter({200: 20})
     assert lb["b"].hits[200] == 20 and lb["a"].hits[503] > 0  # a was tried, b answered
+
+
+def test_a_request_that_kills_its_backend_is_not_replayed_on_another(lb: dict) -> None:
+    lb["a"].post = lb["b"].post = 0  # whichever server gets it dies running it
+    assert post(lb)[0] == 502
+    assert lb["a"].hits[0] + lb["b"].hits[0] == 1  # one server saw it; the other never did
+
+
+def test_only_the_authenticated_api_is_served_at_the_edge(lb: dict) -> None:
+    for path in ("/health", "/metrics", "/", "/stats"):
+        status, body = lb["ep"].call("GET", path, timeout=10)
+        assert (status, body) == (404, NOT_AT_THE_EDGE.json()), path
+    assert lb["ep"].call("GET", "/info", timeout=10)[0] == 200  # the backends' own token check guards it
+    assert post(lb)[0] == 200
 
 
 def test_a_failing_health_check_takes_the_server_out(lb: dict) -> None:

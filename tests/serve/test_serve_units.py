@@ -408,6 +408,7 @@ def test_the_load_balancers_error_bodies_in_the_docs_are_the_services_shape() ->
     docs = (Path(__file__).parents[2] / "docs" / "serving.md").read_text()
     for err in (ApiError(429, "rate limit exceeded; retry later", code="rate_limit_exceeded"),
                 ApiError(503, "no inference replica is available; retry later", code="unavailable"),
+                ApiError(404, "no such path at the load balancer: its API is /v1/* and /info", code="not_found"),
                 ApiError(413, "request body too large", code="payload_too_large"),
                 ApiError(429, "too many concurrent connections from this client; retry later",
                          code="rate_limit_exceeded")):
