@@ -1,5 +1,5 @@
-"""Filters of shardstack_common: the hardware probe's output as the fact, and the distribution's apt sources with
-the components the NVIDIA packages need."""
+"""Filters of shardstack_common: the hardware probe's output as the fact, the distribution's apt sources with
+the components the NVIDIA packages need, and the primary keys of a repository's signing key file."""
 
 from __future__ import annotations
 
@@ -109,7 +109,20 @@ def apt_changes(results: list[dict[str, Any]], codename: str, components: list[s
     return out
 
 
+def gpg_primary_fingerprints(lines: list[str]) -> list[str]:
+    """`gpg --show-keys --with-colons` output → the fingerprint of each primary key, upper case. A `fpr` record
+    follows its key's `pub` (or `sub`) record; only the primary keys' count: apt trusts every key in a signed-by
+    file, and a subkey is trusted through its primary."""
+    out, after_pub = [], False
+    for line in lines:
+        fields = line.split(":")
+        if fields[0] == "fpr" and after_pub and len(fields) > 9:
+            out.append(fields[9].upper())
+        after_pub = fields[0] == "pub"
+    return out
+
+
 class FilterModule:
     def filters(self) -> dict[str, Any]:
         return {"shardstack_hardware_fact": hardware, "shardstack_apt_entries": apt_entries,
-                "shardstack_apt_changes": apt_changes}
+                "shardstack_apt_changes": apt_changes, "shardstack_gpg_primary_fingerprints": gpg_primary_fingerprints}
