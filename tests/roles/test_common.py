@@ -218,7 +218,7 @@ def test_a_role_that_uses_a_shared_variable_depends_on_shardstack_common(role: s
 # meta/ descriptions aside), nowhere in another role or in playbooks/.
 ONE_HOME = {
     "the sbsa architecture expression": "'sbsa'",
-    "the CUDA keyring package": "cuda-keyring",
+    "the CUDA repository's signing key": "shardstack_cuda_repo_key_fingerprints",
     "the CUDA .repo file": "/etc/yum.repos.d/cuda-",
     "the OS-variables lookup": "first_found",
     "the PCI probe": '"/sys/bus/pci/devices/*/vendor"',
