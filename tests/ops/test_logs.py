@@ -15,6 +15,7 @@ import time
 from pathlib import Path
 
 import pytest
+from ansible_vars import load_vars
 from shardstack.cli import main as cli_main
 from shardstack.ops import logs as logs_ops
 
@@ -90,6 +91,37 @@ def test_arrival_metrics_count_each_node_after_its_own_cursor(tmp_path: Path) ->
     assert second['shardstack_logs_last_received_timestamp_seconds{host="gpu03",source="10.0.0.3"}'] > seen
 
 
+def test_a_hosts_query_reads_its_own_files_not_entries_that_name_it(tmp_path: Path) -> None:
+    """`shardstack logs --host n2` on the collector: n2's files (active and archived), not n3's entries that call
+    themselves n2; an unknown name is exit 2 with the names there are; only journalctl, choosing no files itself."""
+    store, sources = tmp_path / "remote", tmp_path / "sources.json"
+    store.mkdir()
+    sources.write_text(json.dumps({"127.77.0.2": "n2", "127.77.0.3": "n3", "local": "mon"}))
+    now = time.time()
+    _write(store / "remote-127.77.0.2@0123abcd-0000000000000001-0005f3a1b2c3d4e5.journal",
+           [_entry("n2", "archived n2", now - 40)])
+    _write(store / "remote-127.77.0.2.journal", [_entry("n2", "from n2", now - 30)])
+    _write(store / "remote-127.77.0.3.journal", [_entry("n2", "forged by n3", now - 20)])  # n3 claims to be n2
+
+    def run(host: str, *journalctl: str) -> subprocess.CompletedProcess:
+        cmd = journalctl or ("journalctl", "--no-pager", "--quiet", "--output=json", "--lines=100")
+        return subprocess.run([sys.executable, str(TOOL), f"--store={store}", "query", f"--sources={sources}",
+                               f"--host={host}", "--", *cmd], capture_output=True, text=True, timeout=60)
+
+    def messages(proc: subprocess.CompletedProcess) -> list[str]:
+        assert proc.returncode == 0, proc.stderr
+        return [json.loads(line)["MESSAGE"] for line in proc.stdout.splitlines()]
+
+    assert messages(run("n2")) == ["archived n2", "from n2"]
+    assert messages(run("n3")) == ["forged by n3"]
+    unknown = run("n9")
+    assert unknown.returncode == 2 and unknown.stdout == ""
+    assert "no journal of n9 at this collector (hosts with one: mon, n2, n3)" in unknown.stderr
+    for cmd in (("journalctl", "--merge"), ("journalctl", f"--directory={store}"), ("sh", "-c", "id")):
+        refused = run("n2", *cmd)
+        assert refused.returncode == 2 and "the command must be journalctl" in refused.stderr
+
+
 def test_archived_files_belong_to_their_source() -> None:
     tool = _tool()
     for name, source in [("remote-10.0.0.2.journal", "10.0.0.2"),
@@ -143,16 +175,30 @@ def test_journalctl_json_becomes_typed_entries() -> None:
 
 
 def test_the_query_journalctl_runs() -> None:
-    q = logs_ops.LogQuery(host="n2", unit="shardstack-inference.service", since="-10min", grep="5\\d\\d", lines=20)
+    q = logs_ops.LogQuery(unit="shardstack-inference.service", since="-10min", grep="5\\d\\d", lines=20)
     assert logs_ops.journalctl_argv(q) == [
         "journalctl", "--merge", "--no-pager", "--quiet", "--output=json", "--unit=shardstack-inference.service",
-        "--since=-10min", "--grep=5\\d\\d", "--lines=20", "_HOSTNAME=n2"]
+        "--since=-10min", "--grep=5\\d\\d", "--lines=20"]
     # Following: after the last cursor, no line count, no --since.
-    assert logs_ops.journalctl_argv(q, "s=1;i=f4")[-2:] == ["--after-cursor=s=1;i=f4", "_HOSTNAME=n2"]
+    assert logs_ops.journalctl_argv(q, "s=1;i=f4")[-1] == "--after-cursor=s=1;i=f4"
+    # One host: its own files through the journal role's collector tool, never a _HOSTNAME match.
+    q.host = "n2"
+    assert logs_ops.journalctl_argv(q) == [
+        "/usr/local/libexec/shardstack/log-collector", "--store=/var/log/journal/remote", "query",
+        "--sources=/etc/shardstack-journal/sources.json", "--host=n2", "--", "journalctl", "--no-pager", "--quiet",
+        "--output=json", "--unit=shardstack-inference.service", "--since=-10min", "--grep=5\\d\\d", "--lines=20"]
     # A training job is its template unit on every train node.
     job = logs_ops.LogQuery(job="run1")
     job.check()
     assert logs_ops.journalctl_argv(job)[5:] == ["--unit=shardstack-train@run1.service", "--lines=100"]
+
+
+def test_the_collector_paths_are_the_journal_roles() -> None:
+    role = load_vars(ROOT / "roles/journal/vars/main.yml")
+    etc = role["__journal_etc"]
+    assert role["__journal_tool"] == logs_ops.COLLECTOR_TOOL
+    assert role["__journal_sources"].replace("{{ __journal_etc }}", etc) == logs_ops.COLLECTOR_SOURCES
+    assert role["__journal_store_dir"] == logs_ops.COLLECTOR_STORE
 
 
 @pytest.mark.parametrize("argv, needle", [

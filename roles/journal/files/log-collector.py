@@ -1,5 +1,6 @@
 #!/usr/bin/python3
-"""The log collector's two chores, run by systemd timers on the monitoring node (roles/journal, tasks/collector.yml).
+"""The log collector's chores, run by systemd timers on the monitoring node (roles/journal, tasks/collector.yml),
+and its one query.
 
 metrics: for each node whose journal reaches the central store, the entries received since the last run and when
          the last one arrived (this node's clock, so a node with a wrong clock still counts), as a textfile for
@@ -8,6 +9,10 @@ metrics: for each node whose journal reaches the central store, the entries rece
 vacuum:  journal-remote (systemd 252) has no size or time limits: delete archived files older than the retention,
          and beyond the disk share, keeping the file system's free share. Active files are never deleted
          (journalctl's vacuum skips them); each rotates at its size limit.
+query:   journalctl over one node's own journal files, the node named by its inventory name: the files its
+         authenticated stream was written to (the source journal-remote filed it under, mapped by --sources), or
+         this node's local journal. What an entry says about itself (_HOSTNAME) is the sender's word; the file is
+         not (`shardstack logs --host`).
 
 Standard library only: it runs with the node's /usr/bin/python3.
 """
@@ -56,6 +61,16 @@ def read_new(files: list[Path] | None, cursor: str | None) -> tuple[int, str | N
         last_cursor = entry.get("__CURSOR", last_cursor)
         hostname = entry.get("_HOSTNAME", hostname) if isinstance(entry.get("_HOSTNAME"), str) else hostname
     return count, last_cursor, hostname
+
+
+def host_files(store: Path, names: dict[str, str], host: str) -> list[Path] | None:
+    """The journal files of inventory host `host` (None: this node's local journal). KeyError when it has none."""
+    if names.get(LOCAL) == host:
+        return None
+    files = [f for source, paths in sources(store).items() if names.get(source, source) == host for f in paths]
+    if not files:
+        raise KeyError(host)
+    return files
 
 
 def store_bytes(store: Path) -> int:
@@ -146,6 +161,25 @@ def vacuum(args: argparse.Namespace) -> int:
     return subprocess.run(argv, check=False).returncode
 
 
+def query(args: argparse.Namespace) -> int:
+    """Run the journalctl command given after `--` on --host's files only; its output and exit code are ours."""
+    if args.journalctl[:1] != ["journalctl"] or any(a.startswith(("--merge", "-m", "--file", "--directory", "-D"))
+                                                     for a in args.journalctl[1:]):
+        print("query: the command must be journalctl, without a choice of journal files", file=sys.stderr)
+        return 2
+    names = json.loads(Path(args.sources).read_text()) if Path(args.sources).is_file() else {}
+    store = Path(args.store)
+    try:
+        files = host_files(store, names, args.host)
+    except KeyError:
+        known = {names.get(s, s) for s in sources(store)} | ({names[LOCAL]} if LOCAL in names else set())
+        print(f"no journal of {args.host} at this collector (hosts with one: {', '.join(sorted(known)) or 'none'})",
+              file=sys.stderr)
+        return 2
+    argv = args.journalctl + ([f"--file={f}" for f in files] if files is not None else [])
+    return subprocess.run(argv, check=False).returncode
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--store", default="/var/log/journal/remote")
@@ -159,7 +193,14 @@ def main(argv: list[str] | None = None) -> int:
     m.add_argument("--local-name", default=os.uname().nodename, help="this node's inventory name")
     v = sub.add_parser("vacuum")
     v.add_argument("--retention", default="30day")
+    q = sub.add_parser("query")
+    q.add_argument("--sources", required=True, help="JSON map: source name -> inventory name, 'local' -> this node's")
+    q.add_argument("--host", required=True, help="inventory name of the node whose journal to read")
+    q.add_argument("journalctl", nargs=argparse.REMAINDER, help="-- journalctl and its arguments")
     args = p.parse_args(argv)
+    if args.command == "query":
+        args.journalctl = args.journalctl[1:] if args.journalctl[:1] == ["--"] else args.journalctl
+        return query(args)
     return metrics(args) if args.command == "metrics" else vacuum(args)
 
 

@@ -21,7 +21,8 @@ def register(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("logs", help="search every node's journal in the central store (the log collector)",
                        description="Query the central journal store on the log collector (the first "
                                    "monitoring_server): newest entries first filtered, oldest first printed.")
-    p.add_argument("--host", "-H", help="only this node (its hostname, _HOSTNAME: in the lab its inventory name)")
+    p.add_argument("--host", "-H",
+                   help="only this node, by inventory name: its own journal at the collector (not entries naming it)")
     p.add_argument("--unit", "-u", help="only this systemd unit (e.g. shardstack-inference.service)")
     p.add_argument("--job", "-j", help="only this training job (its unit shardstack-train@JOB on every train node)")
     p.add_argument("--identifier", "-t", help="only this syslog identifier (e.g. haproxy, logger -t NAME)")

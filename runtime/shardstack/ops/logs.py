@@ -4,6 +4,10 @@ through ansible-runner, its JSON parsed into typed entries.
 The collector holds every other node's journal under /var/log/journal/remote/ (one file per host, written by
 systemd-journal-remote) and its own journal where journald keeps it (it does not upload to itself), so a query reads
 both: `journalctl --merge`. An entry's own fields (everything but journald's trusted `_…` ones) come along.
+
+A query for one host reads that host's files only, through the journal role's collector tool (`query`): the files
+its authenticated stream was written to, never entries that merely call themselves by its name (`_HOSTNAME` is
+whatever the sender wrote), and those entries carry the host's inventory name.
 """
 
 from __future__ import annotations
@@ -23,6 +27,11 @@ from shardstack.ops.train import check_job_name
 from shardstack.ops.train import unit as job_unit
 
 COLLECTOR_GROUP = "monitoring_server"
+# The journal role's collector tool and its map of journal sources to inventory names (roles/journal/vars/main.yml
+# __journal_tool, __journal_sources, __journal_store_dir; a test keeps them equal).
+COLLECTOR_TOOL = "/usr/local/libexec/shardstack/log-collector"
+COLLECTOR_SOURCES = "/etc/shardstack-journal/sources.json"
+COLLECTOR_STORE = "/var/log/journal/remote"
 # Journal fields every entry has, shown in their own columns or of no use to a reader; the rest are the entry's own.
 _SHOWN = {"MESSAGE", "PRIORITY", "SYSLOG_IDENTIFIER", "SYSLOG_FACILITY", "SYSLOG_PID", "SYSLOG_TIMESTAMP"}
 _UNIT_FIELDS = ("_SYSTEMD_UNIT", "UNIT", "_SYSTEMD_USER_UNIT")
@@ -32,7 +41,7 @@ _SINCE_RE = re.compile(r"^(-?\d+\s*(s|sec|m|min|h|hour|d|day|w|week)s?( ago)?|no
 
 @dataclass
 class LogQuery:
-    host: str | None = None        # the node's _HOSTNAME (its hostname as it logs it)
+    host: str | None = None        # the node's inventory name: its own journal files at the collector
     unit: str | None = None        # systemd unit (journalctl --unit: the service's own lines and systemd's about it)
     job: str | None = None         # a training job: its unit shardstack-train@<job>.service on every train node
     identifier: str | None = None  # SYSLOG_IDENTIFIER (logger -t, a unit's SyslogIdentifier=)
@@ -80,8 +89,9 @@ class LogEntry:
 
 
 def journalctl_argv(q: LogQuery, cursor: str | None = None) -> list[str]:
-    """The command the collector runs: newest `lines` entries, or everything after `cursor` when following."""
-    argv = ["journalctl", "--merge", "--no-pager", "--quiet", "--output=json"]
+    """The command the collector runs: newest `lines` entries, or everything after `cursor` when following; for
+    one host, journalctl on that host's own files through the collector tool."""
+    argv = ["journalctl", "--no-pager", "--quiet", "--output=json"]
     unit = job_unit(q.job) if q.job else q.unit
     if unit:
         argv.append(f"--unit={unit}")
@@ -93,8 +103,9 @@ def journalctl_argv(q: LogQuery, cursor: str | None = None) -> list[str]:
         argv.append(f"--grep={q.grep}")
     argv += [f"--after-cursor={cursor}"] if cursor else [f"--lines={q.lines}"]
     if q.host:
-        argv.append(f"_HOSTNAME={q.host}")
-    return argv
+        return [COLLECTOR_TOOL, f"--store={COLLECTOR_STORE}", "query", f"--sources={COLLECTOR_SOURCES}",
+                f"--host={q.host}", "--", *argv]
+    return [argv[0], "--merge", *argv[1:]]
 
 
 def _text(value: Any) -> str:
@@ -145,24 +156,32 @@ def parse_output(stdout: str) -> list[LogEntry]:
 COLLECTOR = f"{COLLECTOR_GROUP}[0]"
 
 
-def _query(argv: list[str], inventory: Path, host: str) -> list[LogEntry]:
+def _query(argv: list[str], inventory: Path, host: str, node: str | None = None) -> list[LogEntry]:
+    """`argv` on the collector `host`; entries of one `node`'s files carry its name."""
     results = run_command(argv, inventory, host, timeout=120)
     if not results:
         raise ShardstackError(f"no log collector: {host} matches no host of the inventory",
                               hint=f"the log collector is the first host of {COLLECTOR_GROUP}")
     name, res = next(iter(results.items()))
+    if node is not None and res.rc == 2 and not res.unreachable:  # the collector tool's answer: no such journal
+        raise ShardstackError(f"--host {node}: {res.stderr.strip()[:300]}",
+                              hint="--host takes a node's inventory name")
     # journalctl exits 1 when --grep matched nothing; that is an empty answer, not an error.
     if res.unreachable or (res.rc not in (0, 1)) or (res.rc == 1 and res.stderr.strip()):
         raise ShardstackError(f"journalctl on the log collector {name} failed: "
                               f"{(res.stderr or res.message or '').strip()[:300]}",
                               hint="is the journal role deployed there? (shardstack deploy --tags logs)")
-    return parse_output(res.stdout)
+    entries = parse_output(res.stdout)
+    if node is not None:
+        for entry in entries:
+            entry.host = node
+    return entries
 
 
 def query(q: LogQuery, inventory: Path, *, host: str | None = None) -> list[LogEntry]:
     """The newest `q.lines` entries that match, oldest first."""
     q.check()
-    return _query(journalctl_argv(q), inventory, host or COLLECTOR)
+    return _query(journalctl_argv(q), inventory, host or COLLECTOR, q.host)
 
 
 def follow(q: LogQuery, inventory: Path, *, poll: float = 2.0, host: str | None = None,
@@ -173,7 +192,7 @@ def follow(q: LogQuery, inventory: Path, *, poll: float = 2.0, host: str | None 
     host = host or COLLECTOR
     cursor = None
     while True:
-        entries = _query(journalctl_argv(q, cursor), inventory, host)
+        entries = _query(journalctl_argv(q, cursor), inventory, host, q.host)
         yield from entries
         if entries:
             cursor = entries[-1].cursor
