@@ -10,11 +10,13 @@ from __future__ import annotations
 import base64
 import contextlib
 import dataclasses
+import hashlib
 import http.client
 import http.server
 import json
 import os
 import shutil
+import signal
 import socket
 import ssl
 import subprocess
@@ -37,7 +39,7 @@ from shardstack.ops.runner import run_playbook
 from shardstack.serve.accesslog import REQUEST_ID_PATTERN
 from shardstack.serve.protocol import ApiError
 
-from .conftest import REPO, issue, render, store_files
+from .conftest import REPO, issue, render, role_value, store_files
 
 HAPROXY = shutil.which("haproxy") or "/usr/sbin/haproxy"
 STATS_PASSWORD = "stats-pass-for-tests"
@@ -69,6 +71,7 @@ class Backend(http.server.ThreadingHTTPServer):
         self.lock = threading.Lock()
         self.forwarded: list[str | None] = []
         self.request_ids: list[str | None] = []
+        self.seen: list[tuple[str | None, str | None]] = []  # (Authorization, X-Shardstack-Client) of each POST
         super().__init__((addr, port), _Handler)
         threading.Thread(target=self.serve_forever, daemon=True).start()
 
@@ -94,6 +97,7 @@ class _Handler(http.server.BaseHTTPRequestHandler):
         self.rfile.read(int(self.headers.get("Content-Length", 0)))
         self.server.forwarded.append(self.headers.get("X-Forwarded-For"))
         self.server.request_ids.extend(self.headers.get_all("X-Request-ID") or [None])
+        self.server.seen.append((self.headers.get("Authorization"), self.headers.get("X-Shardstack-Client")))
         if self.server.post == 0:
             self.server.hits[0] += 1
             self.close_connection = True
@@ -137,7 +141,8 @@ def wait_up(metrics: str, servers: set[str], timeout: float = 60) -> None:
 
 @contextlib.contextmanager
 def running_haproxy(tmp_path: Path, files: dict[str, Path], backends: dict[str, str], backend_port: int,
-                    stats_password: str = STATS_PASSWORD, **overrides: object) -> Iterator[dict]:
+                    stats_password: str = STATS_PASSWORD, master_worker: bool = False,
+                    **overrides: object) -> Iterator[dict]:
     """HAProxy with the role's configuration on 127.0.0.1, serving `files`' certificate; yields its addresses."""
     if not Path(HAPROXY).exists():
         pytest.fail("haproxy not found: apt-get install haproxy (the loadbalancer role's package)")
@@ -163,12 +168,14 @@ def running_haproxy(tmp_path: Path, files: dict[str, Path], backends: dict[str, 
     path.write_text(cfg)
     check = subprocess.run([HAPROXY, "-c", "-f", str(path)], capture_output=True, text=True)
     assert check.returncode == 0, check.stderr
-    proc = subprocess.Popen([HAPROXY, "-db", "-f", str(path)], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    # Master-worker (-W), as haproxy.service runs it, where a test reloads it (SIGUSR2 to the master).
+    proc = subprocess.Popen([HAPROXY, *(["-W"] if master_worker else []), "-db", "-f", str(path)],
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     lb = {"https": f"https://127.0.0.1:{ports['loadbalancer_tls_port']}",
           "http": ("127.0.0.1", ports["loadbalancer_port"]),
           "stats": f"https://127.0.0.1:{ports['loadbalancer_stats_port']}/stats",
           "metrics": f"http://127.0.0.1:{ports['loadbalancer_metrics_port']}/metrics",
-          "ports": ports, "cfg": cfg, "journal": journal}
+          "ports": ports, "cfg": cfg, "journal": journal, "proc": proc}
     try:
         yield lb
     finally:
@@ -522,6 +529,115 @@ def test_a_client_over_its_connection_limit_gets_429_while_its_held_requests_are
         _until("a request served after the held ones closed", lambda: post(lb)[0] == 200)
 
 
+CLUSTER_TOKEN = "cluster-token-of-the-backends"
+KEYS = {"team-a": "key-of-team-a", "team-b": "key-of-team-b"}
+UNAUTHORIZED = ApiError(401, "missing or invalid API key", code="invalid_api_key")
+KEY_RATE = ApiError(429, "rate limit of this API key exceeded; retry later", code="rate_limit_exceeded")
+KEY_CONCURRENCY = ApiError(429, "too many requests in flight with this API key; retry later",
+                           code="rate_limit_exceeded")
+
+
+def _write_key_maps(api_dir: Path, keys: dict[str, str], api_keys: list[dict]) -> None:
+    """The maps configure.yml writes, from the role's own expressions, for these keys and the cluster token."""
+    hashes = {"cluster": hashlib.sha256(CLUSTER_TOKEN.encode()).hexdigest()}
+    hashes.update({name: hashlib.sha256(key.encode()).hexdigest() for name, key in keys.items()})
+    maps = role_value("loadbalancer", "__loadbalancer_api_maps", loadbalancer_api_keys=api_keys,
+                      __loadbalancer_api_key_hashes=hashes)
+    api_dir.mkdir(mode=0o700, exist_ok=True)
+    for name, text in maps.items():
+        (api_dir / name).write_text(text)
+    (api_dir / "backend-token.map").write_text(f"token {CLUSTER_TOKEN}\n")
+
+
+@contextlib.contextmanager
+def _keyed(tmp_path: Path, **overrides: object) -> Iterator[dict]:
+    """The edge with named keys: team-a at 5 requests per period, team-b 1 in flight; the cluster token as "cluster"."""
+    api_keys = [{"name": "team-a", "requests": 5}, {"name": "team-b", "concurrency": 1}]
+    _write_key_maps(tmp_path / "api", KEYS, api_keys)
+    with _two_backends(tmp_path, loadbalancer_api_keys=api_keys, __loadbalancer_api_dir=str(tmp_path / "api"),
+                       **overrides) as lb:
+        yield {**lb, "api_keys": api_keys}
+
+
+def _as(lb: dict, key: str | None) -> Endpoint:
+    return Endpoint(lb["https"], key, lb["ep"].cafile) if key else lb["ep"]
+
+
+def test_only_named_keys_pass_and_backends_get_the_cluster_token_and_the_name(tmp_path: Path) -> None:
+    with _keyed(tmp_path) as lb:
+        for key in (None, "not-a-key", KEYS["team-a"][:-1]):
+            status, body = _as(lb, key).call("POST", "/v1/completions", {"prompt": "x"}, timeout=10)
+            assert (status, body) == (401, UNAUTHORIZED.json()), key
+        assert lb["a"].seen + lb["b"].seen == []  # refused at the edge
+        forged = {"Authorization": f"Bearer {KEYS['team-a']}", "X-Shardstack-Client": "cluster"}
+        assert post(lb, forged)[0] == 200
+        assert _as(lb, CLUSTER_TOKEN).call("POST", "/v1/completions", {"prompt": "x"}, timeout=10)[0] == 200
+        # The cluster token and the key's name, whatever the client wrote; never a client's key.
+        assert sorted(lb["a"].seen + lb["b"].seen) == [(f"Bearer {CLUSTER_TOKEN}", "cluster"),
+                                                       (f"Bearer {CLUSTER_TOKEN}", "team-a")]
+        entry = lb["journal"].entry("HAPROXY_API_KEY", "team-a")
+        assert entry["HAPROXY_STATUS"] == "200"
+        everything = b"".join(lb["journal"].raw)
+        assert not any(k.encode() in everything for k in (*KEYS.values(), CLUSTER_TOKEN))
+
+
+def test_a_key_over_its_rate_gets_429_while_another_key_is_served(tmp_path: Path) -> None:
+    with _keyed(tmp_path) as lb:
+        a, b = _as(lb, KEYS["team-a"]), _as(lb, KEYS["team-b"])
+        codes = [a.call("POST", "/v1/completions", {"prompt": "x"}, timeout=10) for _ in range(7)]
+        assert [c for c, _ in codes[:5]] == [200] * 5 and codes[-1] == (429, KEY_RATE.json())
+        assert [b.call("POST", "/v1/completions", {"prompt": "x"}, timeout=10)[0] for _ in range(6)] == [200] * 6
+
+
+def test_a_key_over_its_concurrency_gets_429_while_another_key_is_served(tmp_path: Path) -> None:
+    with _keyed(tmp_path) as lb:
+        a, b = _as(lb, KEYS["team-a"]), _as(lb, KEYS["team-b"])
+        lb["a"].gate = lb["b"].gate = gate = threading.Event()
+        with ThreadPoolExecutor(2) as pool:
+            try:
+                held = pool.submit(b.call, "POST", "/v1/completions", {"prompt": "x"}, timeout=GATE_CEILING)
+                _until("team-b's request held", lambda: lb["a"].in_flight + lb["b"].in_flight == 1)
+                assert b.call("POST", "/v1/completions", {"prompt": "x"}, timeout=10) == (429, KEY_CONCURRENCY.json())
+                other = pool.submit(a.call, "POST", "/v1/completions", {"prompt": "x"}, timeout=GATE_CEILING)
+                _until("team-a's request reached a backend", lambda: lb["a"].in_flight + lb["b"].in_flight == 2)
+            finally:
+                gate.set()
+            assert held.result()[0] == other.result()[0] == 200
+        _until("team-b served again once its request ended",
+               lambda: b.call("POST", "/v1/completions", {"prompt": "x"}, timeout=10)[0] == 200)
+
+
+def test_revoking_a_key_is_one_reload_and_fails_no_request_of_another(tmp_path: Path) -> None:
+    """team-a removed from the maps, HAProxy reloaded as systemd reloads it (SIGUSR2 to the master) while team-b
+    sends requests one after another: team-a gets 401 from then on, team-b no error."""
+    with _keyed(tmp_path, master_worker=True, loadbalancer_rate_limit_requests=10_000) as lb:
+        a, b = _as(lb, KEYS["team-a"]), _as(lb, KEYS["team-b"])
+        assert a.call("POST", "/v1/completions", {"prompt": "x"}, timeout=10)[0] == 200
+        codes: Counter = Counter()
+        done = threading.Event()
+
+        def load() -> None:
+            while not done.is_set():
+                try:
+                    codes[b.call("POST", "/v1/completions", {"prompt": "x"}, timeout=10)[0]] += 1
+                except OSError as exc:
+                    codes[type(exc).__name__] += 1
+
+        worker = threading.Thread(target=load, daemon=True)
+        worker.start()
+        try:
+            _until("team-b's load running", lambda: codes[200] >= 5)
+            _write_key_maps(tmp_path / "api", {"team-b": KEYS["team-b"]}, [lb["api_keys"][1]])
+            lb["proc"].send_signal(signal.SIGUSR2)
+            _until("team-a revoked", lambda: a.call("POST", "/v1/completions", {"prompt": "x"}, timeout=10)[0] == 401)
+            served = codes[200]
+            _until("team-b's load after the reload", lambda: codes[200] >= served + 5)
+        finally:
+            done.set()
+            worker.join(timeout=30)
+        assert set(codes) == {200}, dict(codes)
+
+
 def test_validate_probes_over_https_and_no_secret_reaches_the_runner_artifacts(tmp_path: Path) -> None:
     """The role's credentials tasks and validate.yml's inference checks, run for real through ansible-runner
     against this machine, then every artifact file searched for the token, the stats password and both keys."""
@@ -568,6 +684,36 @@ def test_validate_probes_over_https_and_no_secret_reaches_the_runner_artifacts(t
     leaks = {name: sorted(str(p.relative_to(art)) for p, t in texts.items() if value in t)
              for name, value in secrets.items()}
     assert not any(leaks.values()), leaks
+
+
+def test_named_keys_are_hashed_on_the_controller_and_generated_once(tmp_path: Path) -> None:
+    """credentials.yml for real: the maps hold the SHA-256 of a given key, of a generated one (made once in the
+    store, the same on the next run) and of the cluster token; no key reaches the runner's artifacts."""
+    keys = [{"name": "given", "key": KEYS["team-a"], "requests": 7}, {"name": "made", "concurrency": 2}]
+    inv = tmp_path / "inv" / "hosts.yml"
+    inv.parent.mkdir()
+    inv.write_text(yaml.safe_dump({"all": {  # the keys in the inventory, where a deployment keeps them (or a vault)
+        "vars": {"ansible_connection": "local", "ansible_python_interpreter": sys.executable,
+                 "loadbalancer_api_keys": keys},
+        "children": {"inference_nodes": {"hosts": {"a": {"ansible_host": "127.0.0.2"}}},
+                     "loadbalancer": {"hosts": {"lb": {"ansible_host": "127.0.0.1"}}}}}}))
+    store = inv.parent / "credentials"
+    store.mkdir()
+    (store / "inference-token.txt").write_text(CLUSTER_TOKEN + "\n")
+    runs = [run_playbook("tests/ops/playbooks/edge_credentials.yml", inv, artifacts=tmp_path / f"art{i}")
+            for i in range(2)]
+    assert all(r.success for r in runs), [{h: (x.failed_task, x.message) for h, x in r.hosts.items()} for r in runs]
+    made = (store / "api-key-made.txt").read_text().strip()
+    assert len(made) == 48 and made.isalnum()
+    sha = {name: hashlib.sha256(k.encode()).hexdigest()
+           for name, k in (("cluster", CLUSTER_TOKEN), ("given", KEYS["team-a"]), ("made", made))}
+    maps = runs[0].data["api_maps"]
+    assert maps == runs[1].data["api_maps"]  # the generated key is kept
+    assert maps["keys.map"] == "".join(f"{d} {n}\n" for n, d in sorted(sha.items()))
+    assert maps["requests.map"] == "cluster 600\ngiven 7\nmade 600\n"
+    assert maps["concurrency.map"] == "cluster 64\ngiven 64\nmade 2\n"
+    texts = [p.read_text(errors="replace") for p in tmp_path.glob("art*/**/*") if p.is_file()]
+    assert texts and not any(k in t for t in texts for k in (CLUSTER_TOKEN, KEYS["team-a"], made))
 
 
 def _admin(sock: Path, line: str) -> str:

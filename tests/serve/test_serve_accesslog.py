@@ -41,10 +41,12 @@ def test_each_request_is_one_entry_with_fields_and_no_secret(journaled: tuple[Se
     body = {"model": "small", "prompt": PROMPT, "max_tokens": 5}
     with httpx.Client(base_url=svc.url, timeout=60) as c:
         ok = c.post("/v1/completions", headers={**JSON, "X-Request-ID": HAPROXY_ID}, json=body)
-        streamed = c.post("/v1/completions", headers=JSON,
+        # The load balancer names the API key a request came with; a name that is not one is "-".
+        streamed = c.post("/v1/completions", headers={**JSON, "X-Shardstack-Client": "team-a"},
                           json={**body, "stream": True, "stream_options": {"include_usage": True}})
         denied = c.post("/v1/completions", headers={"Authorization": f"Bearer {WRONG_TOKEN}",
-                                                    "Content-Type": "application/json"}, json=body)
+                                                    "Content-Type": "application/json",
+                                                    "X-Shardstack-Client": "Not A Name!"}, json=body)
         missing = c.get("/no/such/path?api_key=" + TOKEN, headers=AUTH)
         malformed = c.post("/v1/completions", headers={**JSON, "X-Request-ID": "bad id\twith junk"},
                            content=b'{"prompt": ')
@@ -72,9 +74,11 @@ def test_each_request_is_one_entry_with_fields_and_no_secret(journaled: tuple[Se
     last_usage = [line for line in streamed.text.splitlines() if '"usage"' in line][-1]
     assert e["SHARDSTACK_STATUS"] == "200" and f'"completion_tokens": {e["SHARDSTACK_COMPLETION_TOKENS"]}' in last_usage
     assert e["SHARDSTACK_RESPONSE_BYTES"] == str(len(streamed.content))
+    assert e["SHARDSTACK_API_KEY"] == "team-a" and e["MESSAGE"].endswith(" key=team-a")
 
     e = journal.entry("SHARDSTACK_REQUEST_ID", denied.headers["x-request-id"])
     assert e["SHARDSTACK_STATUS"] == "401" and "SHARDSTACK_PROMPT_TOKENS" not in e
+    assert "SHARDSTACK_API_KEY" not in e and " key=" not in e["MESSAGE"]
     e = journal.entry("SHARDSTACK_REQUEST_ID", missing.headers["x-request-id"])
     assert e["SHARDSTACK_STATUS"] == "404" and e["SHARDSTACK_PATH"] == "/no/such/path"  # never the query string
     e = journal.entry("SHARDSTACK_REQUEST_ID", malformed.headers["x-request-id"])
@@ -89,6 +93,10 @@ def test_each_request_is_one_entry_with_fields_and_no_secret(journaled: tuple[Se
     everything = b"".join(journal.raw)
     for secret in (TOKEN, WRONG_TOKEN, "Bearer", "authorization", PROMPT):
         assert secret.encode().lower() not in everything.lower(), secret
+    with httpx.Client(base_url=svc.url, timeout=60) as c:
+        metrics = c.get("/metrics").text
+    assert 'shardstack_infer_requests_total{api_key="team-a",code="200"} 1.0' in metrics
+    assert 'shardstack_infer_requests_total{api_key="-",code="401"} 1.0' in metrics
     assert svc.proc.poll() is None
 
 

@@ -105,7 +105,8 @@ MALFORMED = [
 
 def test_malformed_requests_get_the_right_4xx_in_openais_shape_and_service_keeps_serving(
         client: httpx.Client) -> None:
-    before_5xx = sum(_metric(client, f'shardstack_infer_requests_total{{code="{c}"}}') for c in (500, 502, 503))
+    before_5xx = sum(_metric(client, f'shardstack_infer_requests_total{{api_key="-",code="{c}"}}')
+                     for c in (500, 502, 503))
     failures = []
     for name, method, path, headers, body, status, param in MALFORMED:
         r = client.request(method, path, headers=headers, content=body)
@@ -126,9 +127,10 @@ def test_malformed_requests_get_the_right_4xx_in_openais_shape_and_service_keeps
     # Still serving, and nothing above was counted as a server error.
     r = client.post("/v1/completions", headers=AUTH, json={"prompt": "still there?", "max_tokens": 4})
     assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 4
-    after_5xx = sum(_metric(client, f'shardstack_infer_requests_total{{code="{c}"}}') for c in (500, 502, 503))
+    after_5xx = sum(_metric(client, f'shardstack_infer_requests_total{{api_key="-",code="{c}"}}')
+                    for c in (500, 502, 503))
     assert after_5xx == before_5xx
-    assert _metric(client, 'shardstack_infer_requests_total{code="400"}') >= 30
+    assert _metric(client, 'shardstack_infer_requests_total{api_key="-",code="400"}') >= 30
     assert client.get("/health").status_code == 200
 
 
@@ -231,7 +233,7 @@ def test_metrics_expose_the_documented_names(client: httpx.Client) -> None:
     text = client.get("/metrics").text
     for name in ("shardstack_infer_request_duration_seconds_bucket", "shardstack_infer_time_to_first_token_seconds_"
                  "bucket", "shardstack_infer_requests_running", "shardstack_infer_requests_waiting",
-                 'shardstack_infer_requests_total{code="200"}', "shardstack_infer_prompt_tokens_total",
+                 'shardstack_infer_requests_total{api_key="-",code="200"}', "shardstack_infer_prompt_tokens_total",
                  "shardstack_infer_generation_tokens_total", "shardstack_infer_engine_heartbeat_timestamp_seconds",
                  "shardstack_infer_ready 1.0"):
         assert name in text, name

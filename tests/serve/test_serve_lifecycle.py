@@ -62,7 +62,7 @@ def test_overload_gets_429_with_retry_after_and_no_5xx(small_svc: Service) -> No
             assert r.json()["usage"]["completion_tokens"] == 96
             assert r.json()["choices"][0]["finish_reason"] == "length"
     metrics = httpx.get(svc.url + "/metrics").text
-    assert f'shardstack_infer_requests_total{{code="429"}} {codes.count(429)}.0' in metrics
+    assert f'shardstack_infer_requests_total{{api_key="-",code="429"}} {codes.count(429)}.0' in metrics
     assert 'code="5' not in metrics
     assert httpx.get(svc.url + "/health").json()["status"] == "ok"
 

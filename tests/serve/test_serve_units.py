@@ -410,6 +410,9 @@ def test_the_load_balancers_error_bodies_in_the_docs_are_the_services_shape() ->
                 ApiError(503, "no inference replica is available; retry later", code="unavailable"),
                 ApiError(404, "no such path at the load balancer: its API is /v1/* and /info", code="not_found"),
                 ApiError(413, "request body too large", code="payload_too_large"),
+                ApiError(401, "missing or invalid API key", code="invalid_api_key"),
+                ApiError(429, "rate limit of this API key exceeded; retry later", code="rate_limit_exceeded"),
+                ApiError(429, "too many requests in flight with this API key; retry later", code="rate_limit_exceeded"),
                 ApiError(429, "too many concurrent connections from this client; retry later",
                          code="rate_limit_exceeded")):
         assert f"`{err.json().decode()}`" in docs

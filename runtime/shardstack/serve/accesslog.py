@@ -39,6 +39,10 @@ SCOPE_KEY = "shardstack.access"  # per-request fields routes add (token counts),
 QUIET_PATHS = ("/health", "/metrics")
 # HAProxy's unique-id-format (roles/loadbalancer) makes e.g. 0A000005:C1F2_0A000003:01BB_674C8E21_0001:1B3C.
 REQUEST_ID_PATTERN = re.compile(r"[A-Za-z0-9_.:-]{1,128}")
+# The named API key a request came with, set by the load balancer (roles/loadbalancer, loadbalancer_api_keys; it
+# drops any the client sent): its name, never the key. Anything else is "-".
+API_KEY_HEADER = b"x-shardstack-client"
+API_KEY_NAME = re.compile(r"[a-z0-9][a-z0-9_-]{0,31}")
 _FIELD = re.compile(r"[A-Z0-9][A-Z0-9_]*")
 _PATH_MAX = 256
 
@@ -126,6 +130,12 @@ def _header(scope: Scope, name: bytes) -> str | None:
     return None
 
 
+def api_key_name(scope: Scope) -> str:
+    """The name of the API key the load balancer passed the request on for, or "-"."""
+    name = _header(scope, API_KEY_HEADER)
+    return name if name and API_KEY_NAME.fullmatch(name) else "-"
+
+
 class AccessLogMiddleware:
     """Times every HTTP request to its last response byte, gives it a request id (the client's or HAProxy's
     X-Request-ID when well-formed, else a new one; echoed in the response) and writes one entry when it ends."""
@@ -169,8 +179,9 @@ class AccessLogMiddleware:
         tokens = ""
         if "prompt_tokens" in extra:
             tokens = f" tokens={extra['prompt_tokens']}+{extra.get('completion_tokens', 0)}"
+        key = api_key_name(scope)
         message = (f'{forwarded or client} "{method} {path}" {status} {ms:.1f}ms {sent}B{tokens} '
-                   f"id={request_id}")
+                   f"id={request_id}" + (f" key={key}" if key != "-" else ""))
         if self.mode == "stdout" or self.sink is None:
             access_log.info("%s", message)
             return
@@ -188,6 +199,8 @@ class AccessLogMiddleware:
         }
         if forwarded:
             fields["SHARDSTACK_FORWARDED_FOR"] = forwarded
+        if key != "-":
+            fields["SHARDSTACK_API_KEY"] = key
         for key in ("prompt_tokens", "completion_tokens", "finish_reason"):
             if key in extra:
                 fields[f"SHARDSTACK_{key.upper()}"] = extra[key]

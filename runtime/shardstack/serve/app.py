@@ -18,7 +18,7 @@ from starlette.routing import Route
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from shardstack.serve import routes
-from shardstack.serve.accesslog import AccessLogMiddleware, JournalSink, resolve_mode
+from shardstack.serve.accesslog import AccessLogMiddleware, JournalSink, api_key_name, resolve_mode
 from shardstack.serve.lifecycle import Service, feed_watchdog
 from shardstack.serve.metrics import ServeMetrics
 from shardstack.serve.protocol import ApiError, clip
@@ -55,7 +55,8 @@ async def _server_error(request: Request, exc: Exception) -> Response:
 
 
 class ApiMetricsMiddleware:
-    """Counts /v1/* responses by status code and times successful completions (streamed ones to the last byte)."""
+    """Counts /v1/* responses by status code and named API key, and times successful completions (streamed ones to
+    the last byte)."""
 
     def __init__(self, app: ASGIApp, metrics: ServeMetrics) -> None:
         self.app = app
@@ -81,7 +82,7 @@ class ApiMetricsMiddleware:
             await self.app(scope, receive, send_wrapper)
         finally:
             if status != 499:
-                self.metrics.requests.labels(code=str(status)).inc()
+                self.metrics.requests.labels(code=str(status), api_key=api_key_name(scope)).inc()
 
 
 def create_app(service: Service) -> Starlette:

@@ -25,8 +25,9 @@ class ServeMetrics(SchedulerMetrics):
             "Time from admission request to the first generated token", buckets=_LATENCY_BUCKETS, registry=r)
         self.running = Gauge("shardstack_infer_requests_running", "Requests holding a KV-cache slot", registry=r)
         self.waiting = Gauge("shardstack_infer_requests_waiting", "Admitted requests waiting for a slot", registry=r)
-        self.requests = Counter("shardstack_infer_requests", "Completion API responses by HTTP status code",
-                                ["code"], registry=r)
+        self.requests = Counter("shardstack_infer_requests",
+                                "Completion API responses by HTTP status code and named API key (- for none)",
+                                ["code", "api_key"], registry=r)
         self.prompt_tokens = Counter("shardstack_infer_prompt_tokens", "Prompt tokens prefilled", registry=r)
         self.generation_tokens = Counter("shardstack_infer_generation_tokens", "Tokens generated", registry=r)
         self.steps = Counter("shardstack_infer_engine_steps", "Engine loop iterations that ran the model",
