@@ -131,7 +131,7 @@ bench-%: setup
 	$(BIN)/python bench/$*.py $(ARGS)
 
 # The demo's pretrained model, built with the project's own commands into $(SHARDSTACK_CACHE)/pretrained (reused while
-# the recipe in shardstack/ops/pretrained.py and the corpus are unchanged; `make demo` builds it when missing).
+# the recipe in shardstack/build/pretrained.py and the corpus are unchanged; `make demo` builds it when missing).
 pretrained: setup
 	$(BIN)/shardstack pretrained $(ARGS)
 

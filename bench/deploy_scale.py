@@ -23,10 +23,10 @@ from collections import defaultdict
 from datetime import datetime
 from pathlib import Path
 
+from shardstack.build.wheelhouse import build
 from shardstack.cli.output import Progress
 from shardstack.lab import lab
 from shardstack.ops.runner import project_dir, run_playbook
-from shardstack.ops.wheelhouse import build
 
 
 class Profile:

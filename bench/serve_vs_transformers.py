@@ -117,7 +117,7 @@ def main(argv: list[str] | None = None) -> int:
 
     model = args.model
     if model is None:
-        from shardstack.ops.pretrained import build
+        from shardstack.build.pretrained import build
 
         model = build(echo=lambda m: print(m, file=sys.stderr))
     load = {"concurrency": args.concurrency, "duration": args.duration, "warmup": args.warmup,

@@ -34,6 +34,7 @@ from collections import Counter
 from pathlib import Path
 
 import pytest
+from shardstack.build.wheelhouse import build as build_wheelhouse
 from shardstack.cli.deploy import _gpu_cell
 from shardstack.cli.output import Progress
 from shardstack.lab import lab
@@ -41,7 +42,6 @@ from shardstack.ops import cluster, serve, train
 from shardstack.ops.runner import RunResult, project_dir, run_command, run_playbook
 from shardstack.ops.train import demo_job
 from shardstack.ops.validate import run_validate
-from shardstack.ops.wheelhouse import build as build_wheelhouse
 
 pytestmark = [
     pytest.mark.lab,

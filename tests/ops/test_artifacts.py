@@ -1,4 +1,4 @@
-"""The training-artefact lifecycle (shardstack.ops.artifacts): what goes and what always stays, on a real directory
+"""The training-artefact lifecycle (shardstack.node.artifacts): what goes and what always stays, on a real directory
 tree, with checkpoints committed by the real checkpoint layout's writer; and the script's promise to the storage node
 (standard library only, the layout's names the same as the runtime's)."""
 
@@ -13,7 +13,7 @@ import time
 from pathlib import Path
 
 import pytest
-from shardstack.ops import artifacts
+from shardstack.node import artifacts
 from shardstack.ops.lifecycle import plan_from_report
 from shardstack.train.checkpoint import layout
 

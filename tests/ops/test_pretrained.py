@@ -1,4 +1,4 @@
-"""The demo's pretrained model recipe (shardstack.ops.pretrained): a valid job, a cache key that follows the recipe,
+"""The demo's pretrained model recipe (shardstack.build.pretrained): a valid job, a cache key that follows the recipe,
 and the whole chain — tokenizer train → data prepare → train run → export --format hf — run for real at a tiny size,
 giving a directory the server and `init_from` take, cached on the second call."""
 
@@ -8,9 +8,9 @@ import json
 from pathlib import Path
 
 import pytest
+from shardstack.build import pretrained
 from shardstack.model.artifact import load_model
 from shardstack.model.tokenizer import HFTokenizer
-from shardstack.ops import pretrained
 from shardstack.train.config import config_from_dict
 
 

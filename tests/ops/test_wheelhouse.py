@@ -16,8 +16,8 @@ from pathlib import Path
 import pytest
 from packaging.specifiers import SpecifierSet
 from shardstack.accel import BY_NAME
+from shardstack.build import wheelhouse
 from shardstack.errors import ShardstackError
-from shardstack.ops import wheelhouse
 from shardstack.ops.runner import project_dir
 
 

@@ -193,15 +193,15 @@ def test_dcgm_package_follows_the_drivers_cuda_major(
 
 def test_the_prune_tool_is_found_in_a_checkout_and_in_the_wheel(role_eval: Any, debian_container: dict,
                                                                tmp_path: Path) -> None:
-    """shared_storage copies runtime/shardstack/ops/artifacts.py to the storage server: found beside the roles in a
+    """shared_storage copies runtime/shardstack/node/artifacts.py to the storage server: found beside the roles in a
     checkout and in the wheel's layout (shardstack/_ansible/roles next to the package), as `deploy` from a wheel
     needs it."""
     repo = Path(__file__).resolve().parents[2]
     here = role_eval("shared_storage", debian_container, role_path=str(repo / "roles/shared_storage"))
-    assert Path(here["__shared_storage_prune_source"]).resolve() == repo / "runtime/shardstack/ops/artifacts.py"
+    assert Path(here["__shared_storage_prune_source"]).resolve() == repo / "runtime/shardstack/node/artifacts.py"
     wheel = tmp_path / "site-packages/shardstack"
     (wheel / "_ansible/roles/shared_storage").mkdir(parents=True)
-    (wheel / "ops").mkdir()
-    (wheel / "ops/artifacts.py").write_text("# the module\n")
+    (wheel / "node").mkdir()
+    (wheel / "node/artifacts.py").write_text("# the module\n")
     there = role_eval("shared_storage", debian_container, role_path=str(wheel / "_ansible/roles/shared_storage"))
-    assert Path(there["__shared_storage_prune_source"]).resolve() == wheel / "ops/artifacts.py"
+    assert Path(there["__shared_storage_prune_source"]).resolve() == wheel / "node/artifacts.py"

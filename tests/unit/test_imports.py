@@ -1,6 +1,6 @@
 """The runtime package's import direction: no circles (lazy imports count), and each layer imports only the layers
 below it. cli sits on top (nothing imports it); ops drives the cluster; serve and train both stand on model and
-never on each other; lab stands alone.
+never on each other; lab stands alone; node (programs run on the nodes) and build (build tools) import no ops.
 """
 
 from __future__ import annotations
@@ -19,6 +19,9 @@ FORBIDDEN: dict[str, set[str]] = {
     "serve": {"train", "ops", "lab", "cli"},
     "lab": {"model", "train", "serve", "ops", "cli"},
     "ops": {"serve", "lab", "cli"},
+    # Programs that run on the nodes and build tools that run before a deploy: no cluster operations, no CLI.
+    "node": {"ops", "serve", "lab", "cli", "build"},
+    "build": {"ops", "serve", "train", "lab", "cli", "node"},
     "errors": {"model", "train", "serve", "ops", "lab", "cli"},
     "accel": {"model", "train", "serve", "ops", "lab", "cli"},
 }
@@ -120,7 +123,7 @@ def test_every_layer_imports_only_what_it_may() -> None:
 
 def test_the_layers_are_the_packages_that_exist() -> None:
     found = {p.name for p in PACKAGE.iterdir() if p.is_dir() and (p / "__init__.py").is_file()}
-    assert found == {"cli", "model", "train", "serve", "ops", "lab"}
+    assert found == {"cli", "model", "train", "serve", "ops", "lab", "node", "build"}
 
 
 @pytest.fixture

@@ -9,14 +9,15 @@ import time
 
 from rich.table import Table
 
+from shardstack.build import pretrained
+from shardstack.build.wheelhouse import build
 from shardstack.cli.deploy import DEFAULT_INVENTORY, run_and_report, validate_tables
 from shardstack.cli.output import EXIT_FAILED_HOSTS, EXIT_OK, LiveProgress, Progress, console, summary_table
 from shardstack.errors import ShardstackError
 from shardstack.lab import lab
-from shardstack.ops import cluster, pretrained, serve, train
+from shardstack.ops import cluster, serve, train
 from shardstack.ops.runner import project_dir
 from shardstack.ops.validate import run_validate
-from shardstack.ops.wheelhouse import build
 
 PROMPT = "Return the"  # how many docstrings of the corpus begin
 

@@ -15,8 +15,8 @@ def register(sub: argparse._SubParsersAction) -> None:
 def _pretrained(args: argparse.Namespace) -> int:
     import json
 
+    from shardstack.build import pretrained
     from shardstack.cli.output import EXIT_OK, console
-    from shardstack.ops import pretrained
 
     path = pretrained.build(force=args.force, echo=lambda m: console.print(m, highlight=False))
     rec = pretrained.record(path)

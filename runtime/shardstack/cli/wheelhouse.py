@@ -8,8 +8,8 @@ import sys
 from pathlib import Path
 
 from shardstack.accel import BY_NAME, accelerator_class, probe
+from shardstack.build.wheelhouse import accelerator, build, resolve
 from shardstack.ops.runner import project_dir
-from shardstack.ops.wheelhouse import accelerator, build, resolve
 
 
 def register(sub: argparse._SubParsersAction) -> None:

@@ -1,5 +1,5 @@
 """`shardstack artifacts prune` from the controller: playbooks/artifacts_prune.yml runs the policy
-(shardstack.ops.artifacts) on the first storage_server and publishes its report, read back here as a typed plan."""
+(shardstack.node.artifacts) on the first storage_server and publishes its report, read back here as a typed plan."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 from shardstack.errors import ShardstackError
-from shardstack.ops.artifacts import Item, Plan
+from shardstack.node.artifacts import Item, Plan
 from shardstack.ops.runner import RunnerEvent, RunResult, run_playbook
 
 

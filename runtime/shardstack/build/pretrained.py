@@ -101,7 +101,7 @@ def build(*, force: bool = False, echo: Callable[[str], None] = print) -> Path:
                                       hint=f"its files are in {work}; rerun `shardstack pretrained --force`")
         steps = [json.loads(line) for line in log.read_text().splitlines() if line.strip()]
         record = {
-            "recipe": "shardstack pretrained (shardstack/ops/pretrained.py)",
+            "recipe": "shardstack pretrained (shardstack/build/pretrained.py)",
             "key": recipe_key(),
             "job": JOB,
             "train_tokens": json.loads((data / "meta.json").read_text())["total_tokens"],

@@ -1,4 +1,4 @@
-"""All-reduce check across the train nodes: `torchrun … -m shardstack.ops.allreduce [--mb 16] [--iters 5]`.
+"""All-reduce check across the train nodes: `torchrun … -m shardstack.node.allreduce [--mb 16] [--iters 5]`.
 
 Every rank contributes tensors filled with its rank + 1, so the reduced sum is checkable exactly
 (world·(world+1)/2); the timing gives bus bandwidth as nccl-tests define it: busbw = algbw · 2(n−1)/n.
@@ -65,14 +65,14 @@ def measure(mb: float, iters: int) -> dict:
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m shardstack.ops.allreduce", description=__doc__.splitlines()[0])
+    p = argparse.ArgumentParser(prog="python -m shardstack.node.allreduce", description=__doc__.splitlines()[0])
     p.add_argument("--mb", type=float, default=16.0, help="tensor size in MiB (default 16)")
     p.add_argument("--iters", type=int, default=5, help="timed iterations (default 5)")
     args = p.parse_args(argv)
     try:
         result = measure(args.mb, args.iters)
     except ShardstackError as exc:
-        print(f"shardstack.ops.allreduce: error: {exc}", file=sys.stderr, flush=True)
+        print(f"shardstack.node.allreduce: error: {exc}", file=sys.stderr, flush=True)
         return exc.exit_code
     if result["rank"] == 0:
         print(json.dumps(result), flush=True)
