@@ -130,8 +130,9 @@ def test_collector_gate_takes_mutual_tls_and_journal_remote_stays_on_loopback(
     # A server certificate for every name nodes upload to.
     assert (r["__journal_tls_usage"], r["__journal_tls_names"]) == ("server", ["mon", "10.0.0.1", "logs.example"])
     # Sources journal-remote names files after (address, or the gate's loopback address) -> inventory names.
+    # "local": the collector's own journal, for `shardstack logs --host mon`.
     assert r["__journal_source_map"] == {"10.0.0.1": "mon", "10.0.0.2": "n2", "mon": "mon", "n2": "n2",
-                                         "127.77.0.2": "mon", "127.77.0.3": "n2"}
+                                         "127.77.0.2": "mon", "127.77.0.3": "n2", "local": "mon"}
     # HAProxy itself accepts the configuration (with a certificate where the credential will be).
     cc = load_module(REPO / "roles/shardstack_common/library/cluster_certificate.py")
     files = [tmp_path / n for n in ("ca.crt", "ca.key", "remote.crt", "remote.key")]
