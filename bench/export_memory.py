@@ -37,7 +37,7 @@ SAVE = textwrap.dedent("""
 
 EXPORT = textwrap.dedent("""
     import json, sys, warnings
-    from shardstack.train.checkpoint.signing import load_signing_key
+    from shardstack.signing import load_signing_key
     from shardstack.train.export import export_checkpoint
     from shardstack.train.memory.host import tune_allocator
     warnings.simplefilter("ignore")

@@ -146,7 +146,8 @@ class SelfTest:
         log = self.work / "serve.log"
         with log.open("w") as out:  # a file, not a pipe: a full pipe would stall the server
             proc = subprocess.Popen([sys.executable, "-m", "shardstack", "serve", "--model", str(model), "--device",
-                                     "cuda", "--port", str(port)], stdout=out, stderr=subprocess.STDOUT)
+                                     "cuda", "--port", str(port), "--allow-unsigned"],
+                                    stdout=out, stderr=subprocess.STDOUT)
         base = f"http://127.0.0.1:{port}"
         try:
             deadline = time.monotonic() + 240

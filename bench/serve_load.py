@@ -135,7 +135,7 @@ async def run_load(url: str, *, concurrency: int, duration: float, warmup: float
 def spawned_service(model: Path, max_concurrency: int, extra: list[str]):
     port = free_port()
     cmd = [sys.executable, "-m", "shardstack", "serve", "--model", str(model), "--port", str(port),
-           "--max-concurrency", str(max_concurrency), *extra]
+           "--allow-unsigned", "--max-concurrency", str(max_concurrency), *extra]
     url = f"http://127.0.0.1:{port}"
 
     def healthy() -> bool:

@@ -104,7 +104,7 @@ def run(model: Path, limit: str, seconds: float, workdir: Path) -> dict:
     token = workdir / "token"
     token.write_text(TOKEN + "\n")
     cmd = [*(["taskset", "-c", "0"] if PIN else []), sys.executable, "-m", "shardstack", "serve",
-           "--model", str(model), "--port", str(port),
+           "--model", str(model), "--port", str(port), "--allow-unsigned",
            "--token-file", str(token), "--max-concurrency", "4"]
     if limit != "derived":
         cmd += ["--max-body-bytes", limit]

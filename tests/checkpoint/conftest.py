@@ -15,8 +15,8 @@ from pathlib import Path
 import pytest
 import torch
 from shardstack.model.gpt import GPT, GPTConfig
+from shardstack.signing import SigningKey, load_signing_key
 from shardstack.train.checkpoint.checkpointer import Checkpointer
-from shardstack.train.checkpoint.signing import SigningKey, load_signing_key
 from shardstack.train.config import CheckpointConfig
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 from torch.distributed.checkpoint.stateful import Stateful

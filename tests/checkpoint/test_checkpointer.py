@@ -12,6 +12,7 @@ from pathlib import Path
 import pytest
 import torch
 from shardstack.errors import ShardstackError
+from shardstack.signing import SigningKey, canonical
 from shardstack.train.checkpoint.layout import (
     MANIFEST,
     list_checkpoints,
@@ -19,7 +20,6 @@ from shardstack.train.checkpoint.layout import (
     resolve_checkpoint,
     verify_checkpoint,
 )
-from shardstack.train.checkpoint.signing import SigningKey, canonical
 
 from .conftest import AppState, make_checkpointer
 

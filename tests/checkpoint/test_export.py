@@ -14,8 +14,8 @@ from safetensors import safe_open
 from shardstack.cli import main as cli
 from shardstack.errors import ShardstackError
 from shardstack.model.artifact import load_model
+from shardstack.signing import SigningKey
 from shardstack.train.checkpoint.layout import list_checkpoints, verify_checkpoint
-from shardstack.train.checkpoint.signing import SigningKey
 from shardstack.train.export import export_checkpoint
 
 from .conftest import HERE, REPO, TINY, AppState, make_checkpointer, torchrun
@@ -89,7 +89,7 @@ def test_export_refuses_a_damaged_checkpoint(saved: tuple[Path, AppState], tmp_p
 
 PEAK_SCRIPT = textwrap.dedent("""
     import json, sys
-    from shardstack.train.checkpoint.signing import load_signing_key
+    from shardstack.signing import load_signing_key
     from shardstack.train.export import export_checkpoint
     from shardstack.train.memory.host import tune_allocator
     tune_allocator()  # as `shardstack export` does

@@ -17,9 +17,9 @@ import torch.distributed.checkpoint as dcp
 import yaml
 from shardstack.cli import main as cli
 from shardstack.errors import ShardstackError
+from shardstack.signing import SigningKey, sign
 from shardstack.train.checkpoint.layout import MANIFEST, list_checkpoints, list_quarantined, verify_checkpoint
 from shardstack.train.checkpoint.reader import CheckpointReader, WeightsOnlyLoadPlanner, dcp_failure
-from shardstack.train.checkpoint.signing import SigningKey, sign
 from shardstack.train.data import prepare
 from torch.distributed.checkpoint.api import CheckpointException
 

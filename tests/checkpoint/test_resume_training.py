@@ -20,8 +20,8 @@ from pathlib import Path
 
 import pytest
 import yaml
+from shardstack.signing import SigningKey
 from shardstack.train.checkpoint.layout import list_checkpoints, resolve_checkpoint, verify_checkpoint
-from shardstack.train.checkpoint.signing import SigningKey
 
 from .conftest import HERE, start_group, stop_group, torchrun
 

@@ -19,6 +19,7 @@ import pytest
 import torch.distributed.checkpoint as dcp
 from shardstack.cli import main as cli
 from shardstack.errors import ShardstackError
+from shardstack.signing import SigningKey, load_signing_key, sign
 from shardstack.train.checkpoint.layout import (
     MANIFEST,
     MANIFEST_FORMAT,
@@ -26,7 +27,6 @@ from shardstack.train.checkpoint.layout import (
     list_quarantined,
     verify_checkpoint,
 )
-from shardstack.train.checkpoint.signing import SigningKey, load_signing_key, sign
 from shardstack.train.export import export_checkpoint
 
 from .conftest import AppState, make_checkpointer, write_key

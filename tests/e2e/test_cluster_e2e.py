@@ -298,6 +298,42 @@ def test_rollout_to_another_step_under_load_fails_no_request(lab3: Cluster) -> N
     assert {i["step"] for i in after} == {previous}, after
 
 
+def test_a_tampered_export_is_refused_while_the_other_replicas_serve(lab3: Cluster) -> None:
+    """One byte of the served export changed on the shared storage (as the job account): a restarting replica
+    refuses it with one journal line naming the file, the others keep serving, and it serves again once the
+    export link is back (docs/serving.md, "Signed exports")."""
+    ep = cluster.endpoint(lab3.inventory)
+    head = lab3.inv["groups"]["train_nodes"][0]
+    victim = lab3.inv["groups"]["inference_nodes"][-1]
+    exports = f"{cluster.shared_dir(lab3.inv)}/exports"
+    good = run_command(["readlink", f"{exports}/current"], lab3.inventory, head)[head].stdout.strip()
+    weights = f"{exports}/tampered/model.safetensors"
+    tamper = (f"cp -a {exports}/{good} {exports}/tampered && printf '\\377' | dd of={weights} bs=1 conv=notrunc "
+              f"seek=$(( $(stat -c %s {weights}) - 1 )) status=none && ln -sfn tampered {exports}/.t && "
+              f"mv -T {exports}/.t {exports}/current")
+    restore = f"ln -sfn {good} {exports}/.t && mv -T {exports}/.t {exports}/current && rm -rf {exports}/tampered"
+    user = ["runuser", "-u", cluster.setting(lab3.inv, "shardstack_user", "shardstack_common", "train_nodes"), "--",
+            "sh", "-c"]
+    assert run_command([*user, tamper], lab3.inventory, head)[head].success
+    try:
+        with Load(ep) as load:
+            refused = run_command(["systemctl", "restart", "shardstack-inference.service"], lab3.inventory, victim)
+            journal = run_command(["journalctl", "-u", "shardstack-inference.service", "-n", "40", "--no-pager",
+                                   "-o", "cat"], lab3.inventory, victim)[victim].stdout
+    finally:
+        assert run_command([*user, restore], lab3.inventory, head)[head].success
+    restarted = run_command(["sh", "-c", "systemctl stop shardstack-inference.service; systemctl reset-failed "
+                             "shardstack-inference.service; systemctl start shardstack-inference.service"],
+                            lab3.inventory, victim)[victim]
+    line = next((ln for ln in journal.splitlines() if "cannot serve:" in ln), "")
+    print(f"\ntampered export on {victim} under load: {dict(load.codes)}; journal: {line}")
+    assert not refused[victim].success
+    assert "model.safetensors does not match its sha256 in the signed manifest" in line, journal
+    assert load.codes[200] > 10 and set(load.codes) == {200}, dict(load.codes)
+    assert restarted.success, restarted
+    assert _infos(lab3, ep, 1)[0]["signed_by"]  # the replicas serve the verified export again
+
+
 def _backend_show(lab3: Cluster, host: str, props: str) -> dict[str, str]:
     res = run_command(["systemctl", "show", "shardstack-inference.service", "-p", props], lab3.inventory, host)[host]
     assert res.success, res

@@ -12,7 +12,7 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 from shardstack.model.artifact import check_model_dir, load_model
-from shardstack.train.checkpoint.signing import load_signing_key
+from shardstack.signing import load_signing_key
 from shardstack.train.data import GlobalSampler, TokenDataset
 from shardstack.train.export import export_checkpoint
 

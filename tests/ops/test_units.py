@@ -68,10 +68,23 @@ def test_inference_execstart_is_a_valid_shardstack_serve_command(inference_unit:
 def test_the_token_reaches_the_service_as_a_systemd_credential(inference_unit: str) -> None:
     # systemd (root) reads the root-only file and hands the service its own copy in $CREDENTIALS_DIRECTORY (%d);
     # the file itself is never readable by the service account, which also runs training jobs.
-    svc = unit_sections(inference_unit)["Service"]
-    assert svc["LoadCredential"] == "token:/etc/shardstack/inference.token"
+    credentials = [line.partition("=")[2] for line in inference_unit.splitlines() if line.startswith("LoadCredential=")]
+    assert credentials == ["token:/etc/shardstack/inference.token",
+                           "signing-key:/etc/shardstack/inference-signing.key"]
     args = build_parser(exec_argv(inference_unit)[1:]).parse_args(exec_argv(inference_unit)[1:])
     assert str(args.token_file) == "%d/token"
+    # The export is verified against its signed manifest with the cluster key (model.manifest)...
+    assert str(args.key_file) == "%d/signing-key" and not args.allow_unsigned
+
+
+def test_an_unsigned_model_is_served_only_when_the_inventory_says_so() -> None:
+    # ...unless the operator serves a directory they trust: then no key reaches the node.
+    unit = render("inference_service", "shardstack-inference.service.j2", inventory_hostname="n2",
+                  ansible_host="10.0.0.2", inference_service_allow_unsigned=True)
+    args = build_parser(exec_argv(unit)[1:]).parse_args(exec_argv(unit)[1:])
+    assert args.allow_unsigned
+    assert [line for line in unit.splitlines() if line.startswith("LoadCredential=")] == [
+        "LoadCredential=token:/etc/shardstack/inference.token"]
 
 
 def test_train_execstart_is_torchrun_with_c10d_and_max_restarts(train_unit: str) -> None:

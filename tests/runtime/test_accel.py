@@ -224,7 +224,7 @@ def test_asking_for_cuda_without_a_gpu_exits_2_with_the_cause(tmp_path: Path) ->
     job.write_text("model: {size: tiny}\nengine: {device: cuda}\n")
     train = _cli("train", "run", "--config", str(job))
     serve = _cli("serve", "--model", str(write_random_model(tmp_path / "m", "tiny")), "--device", "cuda:1",
-                 "--port", "1")
+                 "--port", "1", "--allow-unsigned")
     for proc, setting in ((train, "engine.device"), (serve, "--device")):
         assert proc.returncode == 2, proc.stderr
         assert f"shardstack: error: {setting} is 'cuda' but this node has no NVIDIA GPU" in proc.stderr

@@ -74,8 +74,10 @@ class Service:
         self.log_path = workdir / "serve.log"
         self._log = self.log_path.open("w")
         self.health_seen: list[tuple[int, str]] = []
+        # The random models of these tests are unsigned; a test of verification passes --key-file.
+        trust = [] if "--key-file" in args else ["--allow-unsigned"]
         cmd = [sys.executable, "-m", "shardstack", "serve", "--model", str(model), "--port", str(self.port),
-               "--threads", "1", *args]
+               "--threads", "1", *trust, *args]
         full_env = {**os.environ, "NOTIFY_SOCKET": str(self.notify.path), "PYTHONUNBUFFERED": "1", **(env or {})}
         self.proc = subprocess.Popen(cmd, stdout=self._log, stderr=subprocess.STDOUT, env=full_env)
 
@@ -146,11 +148,26 @@ def bpe_tokenizer_dir() -> Iterator[Path]:
 
 
 @pytest.fixture(scope="session")
-def bpe_model_dir(bpe_tokenizer_dir: Path) -> Iterator[Path]:
+def signing_key_file() -> Iterator[Path]:
+    """The cluster's signing key as the inference role hands it to the service (owner-only)."""
+    import secrets
+
+    with tempfile.TemporaryDirectory(prefix="ss-key-") as tmp:
+        path = Path(tmp) / "signing-key"
+        path.write_text(secrets.token_hex(32) + "\n")
+        path.chmod(0o400)
+        yield path
+
+
+@pytest.fixture(scope="session")
+def bpe_model_dir(bpe_tokenizer_dir: Path, signing_key_file: Path) -> Iterator[Path]:
     """A random Llama (preset small: 4 layers, d=128, 4 query / 2 key-value heads, context 256) with that
-    byte-level BPE tokenizer (4096 tokens), in Hugging Face's layout as `export --format hf` writes it. Its
-    generation_config.json adds a second EOS id: the token it greedily generates EOS_AT-th after EOS_PROMPT."""
+    byte-level BPE tokenizer (4096 tokens), in Hugging Face's layout as `export --format hf` writes it, with the
+    manifest export signs with `signing_key_file`. Its generation_config.json adds a second EOS id: the token it
+    greedily generates EOS_AT-th after EOS_PROMPT."""
+    from shardstack.model.manifest import write_manifest
     from shardstack.model.tokenizer import HFTokenizer
+    from shardstack.signing import load_signing_key
 
     with tempfile.TemporaryDirectory(prefix="ss-serve-llama-") as tmp:
         out = write_random_model(Path(tmp) / "llama", "small", arch="llama", tokenizer=bpe_tokenizer_dir, fmt="hf",
@@ -159,6 +176,7 @@ def bpe_model_dir(bpe_tokenizer_dir: Path) -> Iterator[Path]:
         assert ids[-1] not in ids[:-1], ids  # otherwise generation would end earlier than the test expects
         config = json.loads((out / "generation_config.json").read_text())
         (out / "generation_config.json").write_text(json.dumps({**config, "eos_token_id": [0, ids[-1]]}))
+        write_manifest(out, load_signing_key(signing_key_file), step=0, source="random")
         yield out
 
 
@@ -221,9 +239,10 @@ def client(svc: Service) -> Iterator[httpx.Client]:
 
 
 @pytest.fixture(scope="session")
-def bpe_svc(bpe_model_dir: Path) -> Iterator[Service]:
-    """The same service over the BPE Llama (also named "small", so the fuzz test's requests fit either)."""
-    with _authenticated_service(bpe_model_dir, "--model-name", "small") as s:
+def bpe_svc(bpe_model_dir: Path, signing_key_file: Path) -> Iterator[Service]:
+    """The same service over the BPE Llama (also named "small", so the fuzz test's requests fit either), which it
+    verifies against the signed manifest as the deployed service does."""
+    with _authenticated_service(bpe_model_dir, "--model-name", "small", "--key-file", str(signing_key_file)) as s:
         yield s
 
 

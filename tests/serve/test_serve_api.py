@@ -32,7 +32,7 @@ def test_ready_after_load_and_warm_up(svc: Service, client: httpx.Client) -> Non
     info = client.get("/info", headers=AUTH).json()
     assert info["model"] == "small" and info["step"] == 0 and info["dtype"] == "float32"
     assert info["checkpoint"] == "random:gpt:small:seed=1234" and info["device"] == "cpu"
-    assert (info["arch"], info["format"]) == ("gpt", "shardstack")
+    assert (info["arch"], info["format"], info["signed_by"]) == ("gpt", "shardstack", None)  # --allow-unsigned
     assert info["tokenizer"] == {"name": "bytes", "vocab_size": 256, "bos_token_id": None, "eos_token_ids": []}
     assert info["limits"] == {"max_concurrency": 8, "max_queue": 64, "max_tokens": 64, "context": 256,
                               "max_body_bytes": 65536}

@@ -44,6 +44,10 @@ def test_info_reports_the_tokenizer_and_the_architecture(bpe_svc: Service, bpe_c
     assert tok["eos_token_ids"][0] == 0 and len(tok["eos_token_ids"]) == 2  # <|endoftext|> + generation_config's
     assert info["model_config"]["n_kv_head"] == 2 and info["limits"]["context"] == 256
     assert "tokenizer tokenizer.json:" in bpe_svc.log()  # the start-up line names it too
+    # Served from the copy it verified against the signed manifest (model.manifest), with the key it names.
+    key_id = info["signed_by"]
+    assert isinstance(key_id, str) and len(key_id) == 16
+    assert f"signed with key id {key_id}" in bpe_svc.log()
 
 
 def test_a_text_prompt_and_its_token_ids_give_the_same_completion(bpe_client: httpx.Client, bpe: HFTokenizer) -> None:

@@ -190,8 +190,8 @@ def test_model_that_fails_to_load_exits_nonzero_without_ready(model_dir: Path, w
 
 def test_cli_rejects_bad_arguments_in_one_line(tmp_path: Path) -> None:
     def run(*args: str) -> subprocess.CompletedProcess[str]:
-        return subprocess.run([sys.executable, "-m", "shardstack", "serve", *args], capture_output=True, text=True,
-                              timeout=60)
+        return subprocess.run([sys.executable, "-m", "shardstack", "serve", "--allow-unsigned", *args],
+                              capture_output=True, text=True, timeout=60)
 
     missing = run("--model", str(tmp_path / "nope"))
     assert missing.returncode == 2 and "does not exist" in missing.stderr and "Traceback" not in missing.stderr

@@ -22,6 +22,7 @@ FORBIDDEN: dict[str, set[str]] = {
     # Programs that run on the nodes and build tools that run before a deploy: no cluster operations, no CLI.
     "node": {"ops", "serve", "lab", "cli", "build"},
     "build": {"ops", "serve", "train", "lab", "cli", "node"},
+    "signing": {"model", "train", "serve", "ops", "lab", "cli", "node", "build"},
     "errors": {"model", "train", "serve", "ops", "lab", "cli"},
     "accel": {"model", "train", "serve", "ops", "lab", "cli"},
 }

@@ -7,16 +7,17 @@ import json
 from pathlib import Path
 
 from shardstack.errors import ShardstackError
-from shardstack.train.checkpoint.signing import DEFAULT_KEY_FILE
+from shardstack.signing import DEFAULT_KEY_FILE
 
-_KEY_HELP = f"the cluster's checkpoint signing key (default {DEFAULT_KEY_FILE})"
+_KEY_HELP = f"the cluster's signing key (default {DEFAULT_KEY_FILE})"
 _UNSIGNED_HELP = ("do not check signatures (checkpoints of a job with checkpoint.require_signature: false); files "
                   "are still checked and nothing is unpickled")
 
 
-def _key_args(p: argparse.ArgumentParser) -> None:
+def key_args(p: argparse.ArgumentParser, unsigned_help: str = _UNSIGNED_HELP) -> None:
+    """--key-file and --allow-unsigned: every command that checks or makes a signature takes both."""
     p.add_argument("--key-file", type=Path, default=Path(DEFAULT_KEY_FILE), help=_KEY_HELP)
-    p.add_argument("--allow-unsigned", action="store_true", help=_UNSIGNED_HELP)
+    p.add_argument("--allow-unsigned", action="store_true", help=unsigned_help)
 
 
 def register(sub: argparse._SubParsersAction) -> None:
@@ -25,13 +26,13 @@ def register(sub: argparse._SubParsersAction) -> None:
     ls = ck_sub.add_parser("ls", help="list the checkpoints under DIR (signature and sizes; verify adds sha256)")
     ls.add_argument("dir", type=Path, help="checkpoint root (checkpoint.dir of the job)")
     ls.add_argument("--json", action="store_true", help="one JSON document instead of a table")
-    _key_args(ls)
+    key_args(ls)
     ls.set_defaults(func=_ls)
     verify = ck_sub.add_parser("verify", help="check signature, sizes and sha256 of every file; exit 1 if any is "
                                               "invalid")
     verify.add_argument("dir", type=Path, help="checkpoint root, or one step_XXXXXXXX directory")
     verify.add_argument("--json", action="store_true", help="one JSON document instead of lines")
-    _key_args(verify)
+    key_args(verify)
     verify.set_defaults(func=_verify)
 
     ex = sub.add_parser("export", help="consolidate a checkpoint into safetensors: for serving, or for transformers")
@@ -46,18 +47,20 @@ def register(sub: argparse._SubParsersAction) -> None:
     ex.add_argument("--tokenizer", default=None, metavar="DIR|bytes",
                     help="the tokenizer to ship with the model (default: the one the job's data was prepared with)")
     ex.add_argument("--no-verify", action="store_true", help="skip the sha256 check of the checkpoint (sizes only)")
-    _key_args(ex)
+    key_args(ex, _UNSIGNED_HELP + "; the export's manifest is written unsigned, which `serve` refuses without "
+                                  "--allow-unsigned")
     ex.set_defaults(func=_export)
 
 
-def _key(args: argparse.Namespace):
-    from shardstack.train.checkpoint.signing import load_signing_key
+def load_key(args: argparse.Namespace):
+    """The key --key-file names, or None with --allow-unsigned."""
+    from shardstack.signing import load_signing_key
 
     if args.allow_unsigned:
         return None
     if not args.key_file.exists():
-        raise ShardstackError(f"no signing key at {args.key_file}", hint="pass the job's checkpoint.signing_key_file "
-                              "with --key-file, or --allow-unsigned for checkpoints of a run without signatures")
+        raise ShardstackError(f"no signing key at {args.key_file}", hint="pass the cluster's key (a job's checkpoint."
+                              "signing_key_file) with --key-file, or --allow-unsigned where nothing is signed")
     return load_signing_key(args.key_file)
 
 
@@ -109,7 +112,7 @@ def _print_table(infos, quarantined: list[dict]) -> None:
 
 
 def _report(args: argparse.Namespace, *, checksums: bool) -> list:
-    infos, quarantined = _infos(args.dir, key=_key(args), checksums=checksums)
+    infos, quarantined = _infos(args.dir, key=load_key(args), checksums=checksums)
     if args.json:
         print(json.dumps({"checkpoints": [_as_dict(i) for i in infos], "quarantined": quarantined}, indent=2))
     else:
@@ -136,7 +139,7 @@ def _export(args: argparse.Namespace) -> int:
     from shardstack.train.export import export_checkpoint
     from shardstack.train.memory.host import tune_allocator
 
-    key = _key(args)
+    key = load_key(args)
     tune_allocator()
     result = export_checkpoint(args.checkpoint, args.out, key=key, dtype=args.dtype, verify=not args.no_verify,
                                fmt=args.fmt, tokenizer=args.tokenizer)

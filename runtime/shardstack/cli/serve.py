@@ -10,6 +10,7 @@ import os
 from collections.abc import Callable
 from pathlib import Path
 
+from shardstack.cli.checkpoint import key_args, load_key
 from shardstack.cli.deploy import add_inventory_arg
 from shardstack.cli.output import EXIT_FAILED_HOSTS, EXIT_OK, LiveProgress, console, summary_table
 from shardstack.errors import ShardstackError
@@ -52,6 +53,10 @@ def register(sub: argparse._SubParsersAction) -> None:
                    help="request body limit (default: room for the longest prompt that fits the context)")
     p.add_argument("--max-prefill-tokens", type=_positive(int), default=4096,
                    help="prompt tokens prefilled in one engine step; longer prompts are chunked (default 4096)")
+    key_args(p, "serve a model directory without checking its signed manifest: a directory you trust (a pretrained "
+                "Hugging Face download, a local export made with --allow-unsigned), loaded in place")
+    p.add_argument("--stage-dir", type=Path, default=Path("/var/tmp"),
+                   help="where the verified private copy of the model is made while it loads (default /var/tmp)")
     p.add_argument("--token-file", type=Path, default=None,
                    help="file holding a bearer token required on /v1/* and /info")
     p.add_argument("--device", default="auto", help="auto (GPU when present) | cpu | cuda | cuda:N")
@@ -96,6 +101,11 @@ def run(args: argparse.Namespace) -> int:
     if args.max_queue < 0:
         raise ShardstackError("--max-queue must be >= 0")
     token = _read_token(args.token_file) if args.token_file else None
+    key = load_key(args)
+    if key is None:
+        log.warning("serving %s unverified (--allow-unsigned)", args.model)
+    elif not args.stage_dir.is_dir():
+        raise ShardstackError(f"--stage-dir {args.stage_dir} is not a directory")
     if not 0 < args.port < 65536:
         raise ShardstackError(f"--port {args.port} is not a valid port")
 
@@ -123,6 +133,8 @@ def run(args: argparse.Namespace) -> int:
         max_body_bytes=args.max_body_bytes,
         max_prefill_tokens=args.max_prefill_tokens,
         token=token,
+        key=key,
+        stage_dir=args.stage_dir,
         device=device,
         dtype=args.dtype,
         stall_seconds=args.stall_seconds,

@@ -10,14 +10,18 @@ from __future__ import annotations
 import asyncio
 import hmac
 import logging
+import shutil
 import threading
 import time
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 import torch
 from starlette.requests import Request
 
+from shardstack.errors import ShardstackError
+from shardstack.model.manifest import Staged, stage_verified
 from shardstack.model.tokenizer import Tokenizer
 from shardstack.serve.metrics import ServeMetrics
 from shardstack.serve.notify import Notifier
@@ -74,6 +78,7 @@ class Service:
         self.failure: str | None = None
         self.engine: Scheduler | None = None
         self.meta: dict[str, Any] = {}
+        self.verified: Staged | None = None  # what the signed manifest said, once the copy verified
         self.limits: Limits | None = None
         self.tokenizer: Tokenizer | None = None
         self.prompt: PromptContext | None = None  # what request validation needs of the model
@@ -93,40 +98,59 @@ class Service:
         self._loader.start()
 
     def _load(self) -> None:
+        s = self.settings
+        started = time.monotonic()
+        staged = None
+        try:
+            if s.key is not None:
+                # Verified as copied into a private directory, and loaded from there (model.manifest).
+                staged = self.verified = stage_verified(s.model_dir, s.key, s.stage_dir)
+                log.info("verified %s: %d files, %.1f MiB, step %s, signed with key id %s (%.1fs)", s.model_dir,
+                         staged.files, staged.bytes / 2**20, staged.step, staged.key_id, time.monotonic() - started)
+            self._load_from(staged.path if staged else s.model_dir, started)
+        except ShardstackError as exc:  # a refusal with its reason, e.g. an export that does not verify
+            reason = str(exc).replace("\n  hint:", "; hint:")  # one journal line
+            log.error("cannot serve: %s", reason)
+            self._fail(reason)
+        except Exception as exc:
+            log.exception("loading the model from %s failed", s.model_dir)
+            self._fail(f"{type(exc).__name__}: {exc}")
+        finally:
+            if staged is not None:  # everything is in memory now
+                shutil.rmtree(staged.path, ignore_errors=True)
+
+    def _fail(self, failure: str) -> None:
+        self.failure = failure
+        self.phase = "failed"
+        self.notifier.status(f"failed: {self.failure}")
+        self.on_failure()
+
+    def _load_from(self, model_dir: Path, started: float) -> None:
         from shardstack.model.artifact import load_model
 
         s = self.settings
-        started = time.monotonic()
-        try:
-            self.device = resolve_device(s.device)
-            self.dtype = resolve_dtype(s.dtype, self.device)
-            model, meta = load_model(s.model_dir, self.device, self.dtype)
-            model.eval()
-            vocab = model.config.vocab_size
-            tokenizer = model_tokenizer(s.model_dir, meta, vocab)
-            engine = Scheduler(model, tokenizer=tokenizer, eos_ids=eos_ids(s.model_dir, tokenizer),
-                               context=s.context, max_batch=s.max_concurrency, max_queue=s.max_queue,
-                               device=self.device, dtype=self.dtype, max_prefill_tokens=s.max_prefill_tokens,
-                               metrics=self.metrics, failpoint=s.failpoint)
-            context = engine.context
-            self.limits = Limits(context=context, max_tokens=min(s.max_tokens or context, context - 1))
-            ctx = PromptContext(tokenizer, vocab)
-            self.tokenizer, self.prompt = tokenizer, ctx
-            if self.max_body_bytes is None:
-                self.max_body_bytes = default_body_limit(context, ctx.bytes_per_token)
-            self.metrics.bind_heartbeat(lambda: engine.heartbeat_wall)
-            engine.start()
-            self.engine, self.meta = engine, meta
-            # Warm-up: prefill and decode once so the first client does not pay for allocator and kernel setup.
-            prompt = tokenizer.encode_prompt("warm up")[: max(1, context // 2)]
-            engine.generate(prompt, max(1, min(4, context - len(prompt))), SamplingParams(seed=0), internal=True)
-        except Exception as exc:
-            log.exception("loading the model from %s failed", s.model_dir)
-            self.failure = f"{type(exc).__name__}: {exc}"
-            self.phase = "failed"
-            self.notifier.status(f"failed: {self.failure}")
-            self.on_failure()
-            return
+        self.device = resolve_device(s.device)
+        self.dtype = resolve_dtype(s.dtype, self.device)
+        model, meta = load_model(model_dir, self.device, self.dtype)
+        model.eval()
+        vocab = model.config.vocab_size
+        tokenizer = model_tokenizer(model_dir, meta, vocab)
+        engine = Scheduler(model, tokenizer=tokenizer, eos_ids=eos_ids(model_dir, tokenizer),
+                           context=s.context, max_batch=s.max_concurrency, max_queue=s.max_queue,
+                           device=self.device, dtype=self.dtype, max_prefill_tokens=s.max_prefill_tokens,
+                           metrics=self.metrics, failpoint=s.failpoint)
+        context = engine.context
+        self.limits = Limits(context=context, max_tokens=min(s.max_tokens or context, context - 1))
+        ctx = PromptContext(tokenizer, vocab)
+        self.tokenizer, self.prompt = tokenizer, ctx
+        if self.max_body_bytes is None:
+            self.max_body_bytes = default_body_limit(context, ctx.bytes_per_token)
+        self.metrics.bind_heartbeat(lambda: engine.heartbeat_wall)
+        engine.start()
+        self.engine, self.meta = engine, meta
+        # Warm-up: prefill and decode once so the first client does not pay for allocator and kernel setup.
+        prompt = tokenizer.encode_prompt("warm up")[: max(1, context // 2)]
+        engine.generate(prompt, max(1, min(4, context - len(prompt))), SamplingParams(seed=0), internal=True)
         log.info("model %s (%s) loaded and warmed up in %.1fs on %s (%s): %d params, tokenizer %s (%d tokens), "
                  "context %d (text prompts up to %d bytes, bodies up to %d), %d slots", self.name,
                  meta.get("arch", "gpt"), time.monotonic() - started, self.device,

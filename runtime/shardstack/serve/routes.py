@@ -59,6 +59,8 @@ async def info(request: Request) -> JSONResponse:
         "tokenizer": None,
         "checkpoint": svc.meta.get("source_checkpoint"),
         "step": svc.meta.get("step"),
+        # How the weights were checked: the signed manifest's key id, or null (--allow-unsigned).
+        "signed_by": svc.verified.key_id if svc.verified else None,
         "dtype": str(svc.dtype).removeprefix("torch.") if svc.dtype else None,
         "device": str(svc.device) if svc.device else None,
         "limits": {

@@ -12,6 +12,7 @@ import torch
 from shardstack.accel import decide_device, probe
 from shardstack.errors import ShardstackError
 from shardstack.model.dtypes import DTYPES
+from shardstack.signing import SigningKey
 
 
 @dataclass
@@ -25,6 +26,8 @@ class ServeSettings:
     max_body_bytes: int | None = None  # None: protocol.default_body_limit of the context and the tokenizer
     max_prefill_tokens: int = 4096  # prompt tokens per engine step (longer prompts are chunked): bounds the stall
     token: str | None = None  # bearer token for /v1/* and /info; None = open
+    key: SigningKey | None = None  # verify the export's signed manifest (model.manifest); None = load unverified
+    stage_dir: Path = Path("/var/tmp")  # where the verified copy is made while loading (removed after)
     device: str = "auto"  # auto | cpu | cuda | cuda:N
     dtype: str = "auto"  # auto (bf16 on a GPU that has it, else fp32) | float32 | bfloat16 | float16
     stall_seconds: float = 30.0  # /health turns 503 when the engine loop has not iterated for this long

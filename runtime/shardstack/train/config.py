@@ -21,8 +21,8 @@ import yaml
 
 from shardstack.errors import ShardstackError
 from shardstack.model.factory import ModelConfig, arch_config, check_model_config, model_arch
+from shardstack.signing import DEFAULT_KEY_FILE
 from shardstack.train.checkpoint.layout import JOB_NAME_RE
-from shardstack.train.checkpoint.signing import DEFAULT_KEY_FILE
 
 
 @dataclass

@@ -28,10 +28,11 @@ from shardstack.errors import ShardstackError
 from shardstack.model import artifact
 from shardstack.model.dtypes import DTYPES
 from shardstack.model.factory import arch_config, model_arch
+from shardstack.model.manifest import write_manifest
 from shardstack.model.tokenizer import BYTES, HFTokenizer
+from shardstack.signing import SigningKey
 from shardstack.train.checkpoint.layout import CheckpointInfo, resolve_checkpoint
 from shardstack.train.checkpoint.reader import CheckpointReader, WeightsOnlyLoadPlanner, dcp_failure
-from shardstack.train.checkpoint.signing import SigningKey
 from shardstack.train.config import JobConfig, config_from_dict
 from shardstack.train.memory.host import peak_rss_bytes
 
@@ -91,8 +92,8 @@ def export_checkpoint(
 ) -> ExportResult:
     """Write OUT from a checkpoint (a step dir, or a root: its newest valid checkpoint), in our format or ("hf") the
     Hugging Face layout (in files of at most `max_shard_bytes`); `tokenizer` overrides the job's ('bytes' or a
-    directory). `key` None skips the signature check (an explicit opt-out); `verify` False checks sizes instead of
-    sha256."""
+    directory). `key` checks the checkpoint's signature and signs the export's manifest; None (an explicit opt-out)
+    does neither. `verify` False checks sizes instead of sha256."""
     t0 = time.monotonic()
     if dtype not in DTYPES:
         raise ShardstackError(f"unknown export dtype {dtype!r}", hint=f"one of {', '.join(DTYPES)}")
@@ -143,10 +144,13 @@ def export_checkpoint(
                   "source_checkpoint": str(info.path), "tokenizer": tok.name if tok else BYTES}
         stats = artifact.write(out, entries, read, dtype=DTYPES[dtype], config=config, header_meta=header,
                                tokenizer=tok)
+    # Last: the signed manifest covers every file written above (serving refuses an export that does not verify).
+    write_manifest(out, key, step=info.step, source=str(info.path))
     result = ExportResult(out=Path(out), step=info.step, tensors=len(names), files=stats.files,
                           bytes_written=stats.bytes_written,
                           largest_tensor_bytes=stats.largest_tensor_bytes, peak_rss_bytes=peak_rss_bytes(),
                           seconds=time.monotonic() - t0)
-    log.info("exported step %d from %s to %s: %d tensors, %.1f MiB in %.1fs", info.step, info.path, out,
-             result.tensors, stats.bytes_written / 2**20, result.seconds)
+    log.info("exported step %d from %s to %s: %d tensors, %.1f MiB in %.1fs, manifest %s", info.step, info.path, out,
+             result.tensors, stats.bytes_written / 2**20, result.seconds,
+             f"signed (key id {key.key_id})" if key else "unsigned (--allow-unsigned)")
     return result

@@ -30,6 +30,7 @@ from torch.distributed.checkpoint.stateful import Stateful
 from torch.distributed.tensor import DTensor
 
 from shardstack.errors import ShardstackError
+from shardstack.signing import SigningKey, load_signing_key, sign
 from shardstack.train.checkpoint.layout import (
     DCP_METADATA,
     MANIFEST,
@@ -49,7 +50,6 @@ from shardstack.train.checkpoint.layout import (
     write_json_durable,
 )
 from shardstack.train.checkpoint.reader import CheckpointReader, WeightsOnlyLoadPlanner, dcp_failure
-from shardstack.train.checkpoint.signing import SigningKey, load_signing_key, sign
 
 if TYPE_CHECKING:
     from shardstack.train.config import CheckpointConfig

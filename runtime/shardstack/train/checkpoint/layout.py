@@ -33,8 +33,8 @@ from pathlib import Path
 from typing import Any
 
 from shardstack.errors import ShardstackError
+from shardstack.signing import SigningKey, signature_problem
 from shardstack.train.checkpoint.reader import DCP_METADATA, ChecksumMismatch, read_dcp_metadata
-from shardstack.train.checkpoint.signing import SigningKey, signature_problem
 
 log = logging.getLogger("shardstack.checkpoint")
 

@@ -1,10 +1,12 @@
-"""Manifest signatures: HMAC-SHA256 with a per-cluster key kept off the checkpoint storage.
+"""Manifest signatures: HMAC-SHA256 with a per-cluster key kept off the shared storage. Checkpoints
+(train.checkpoint) and model exports (model.manifest) are signed with it.
 
-The manifest's sizes and sha256 catch damage; anyone who can write the checkpoint directory can also rewrite them.
+The manifest's sizes and sha256 catch damage; anyone who can write the directory can also rewrite them.
 The signature is what they cannot forge without the key: it covers the canonical form of the whole manifest
 (sorted-key, compact JSON without the `signature` field), so every file's hash, the step and the job config are
-authenticated together. The key is read from a file that only the job's account can read; its bytes never reach a
-log, an error message or an artifact (`SigningKey` does not print them).
+authenticated together. The key is read from a file that only its user (the job's account; the inference service
+through systemd's LoadCredential=) can read; its bytes never reach a log, an error message or an artifact
+(`SigningKey` does not print them).
 """
 
 from __future__ import annotations
@@ -84,11 +86,11 @@ def sign(manifest: dict[str, Any], key: SigningKey) -> dict[str, Any]:
     return {**manifest, "signature": {"algorithm": ALGORITHM, "key_id": key.key_id, "hmac": _mac(key, manifest)}}
 
 
-def signature_problem(manifest: dict[str, Any], key: SigningKey) -> tuple[str, str] | None:
-    """(reason slug, message) when `manifest` is not signed by `key`, else None."""
+def signature_problem(manifest: dict[str, Any], key: SigningKey, what: str = "checkpoint") -> tuple[str, str] | None:
+    """(reason slug, message) when `manifest` (of a `what`) is not signed by `key`, else None."""
     sig = manifest.get("signature")
     if sig is None:
-        return "unsigned", "unsigned checkpoint: manifest.json has no signature"
+        return "unsigned", f"unsigned {what}: manifest.json has no signature"
     if not (isinstance(sig, dict) and set(sig) == {"algorithm", "key_id", "hmac"}
             and sig["algorithm"] == ALGORITHM and all(isinstance(sig[k], str) for k in ("key_id", "hmac"))):
         return "bad-signature", f"malformed signature in manifest.json (expected {ALGORITHM})"
