@@ -80,3 +80,32 @@ def test_primary_fingerprints_skip_subkeys() -> None:
              "fpr:::::::::" + "B" * 40 + ":", "pub:-:4096:1:CCCC:1::-:::scSC::::::::0:",
              "fpr:::::::::" + "C" * 40 + ":"]
     assert filters.gpg_primary_fingerprints(lines) == ["A" * 40, "C" * 40]
+
+
+def test_the_cuda_repository_trusts_only_its_pinned_key_on_both_families() -> None:
+    """No RHEL node here to run it on: what cuda_repo.yml declares. On each family the key comes through
+    repo_key.yml with a pinned fingerprint, and the repository entry names that file as its only key."""
+    common = ROLES / "shardstack_common"
+    tasks = yaml.safe_load((common / "tasks" / "cuda_repo.yml").read_text())
+    defaults = yaml.safe_load((common / "defaults" / "main.yml").read_text())
+    internal = yaml.safe_load((common / "vars" / "main.yml").read_text())
+    for family, fingerprints, key_file in (
+            ("Debian", "shardstack_cuda_repo_key_fingerprints", "__shardstack_common_cuda_keyring"),
+            ("RedHat", "shardstack_cuda_repo_rpm_key_fingerprints", "__shardstack_common_cuda_rpm_key")):
+        mine = [t for t in tasks if f"== '{family}'" in str(t.get("when", ""))]
+        key = next(t for t in mine if t.get("ansible.builtin.include_tasks") == "repo_key.yml")
+        assert key["vars"]["__shardstack_common_key_fingerprints"] == "{{ " + fingerprints + " }}"
+        assert key["vars"]["__shardstack_common_key_path"] == "{{ " + key_file + " }}"
+        pins = defaults[fingerprints]
+        assert pins and all(len(p) == 40 and int(p, 16) for p in pins), pins
+        repo = next(t for t in mine if {"ansible.builtin.apt_repository", "ansible.builtin.yum_repository"} & set(t))
+        entry = repo.get("ansible.builtin.apt_repository") or repo["ansible.builtin.yum_repository"]
+        if family == "Debian":
+            assert entry["repo"].startswith("deb [signed-by={{ " + key_file + " }}] ")
+        else:
+            assert entry["gpgkey"] == "file://{{ " + key_file + " }}"
+            assert entry["gpgcheck"] is True and entry["repo_gpgcheck"] is True
+        assert mine.index(key) < mine.index(repo)  # the key is checked before anything trusts it
+        assert internal[key_file].startswith("/etc/")
+    # Nothing fetched from the repository is trusted unverified: no keyring package, no .repo file download.
+    assert not any("ansible.builtin.get_url" in t for t in tasks)
