@@ -63,6 +63,12 @@ def test_inference_execstart_is_a_valid_shardstack_serve_command(inference_unit:
     # The node's cluster address, never a wildcard: clients cannot bypass the load balancer.
     assert args.port == 8000 and args.host == "10.0.0.2"
     assert args.stall_seconds == 30 and args.drain_seconds == 20
+    # The engine's memory from the role: the model's context unless inference_service_context bounds it.
+    assert args.context is None and args.max_prefill_tokens == 4096
+    bounded = render("inference_service", "shardstack-inference.service.j2", inventory_hostname="n2",
+                     ansible_host="10.0.0.2", inference_service_context=8192, inference_service_max_prefill_tokens=512)
+    args = build_parser(exec_argv(bounded)[1:]).parse_args(exec_argv(bounded)[1:])
+    assert (args.context, args.max_prefill_tokens) == (8192, 512)
 
 
 def test_the_token_reaches_the_service_as_a_systemd_credential(inference_unit: str) -> None:

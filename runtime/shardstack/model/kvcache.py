@@ -27,12 +27,11 @@ class KVCache:
         self.max_len = max_len
 
 
-class LayerCache:
-    """One layer's view of a KVCache for one forward call: where each row writes and what it may attend to."""
+class Step:
+    """Where one forward call's rows write and what they may attend to: the same for every layer, so built once
+    (the [B, 1, T, L] mask of a long prefill chunk is the largest transient tensor of a step)."""
 
-    def __init__(self, cache: KVCache, layer: int, slots: torch.Tensor, positions: torch.Tensor, t: int,
-                 dense: bool = False) -> None:
-        self.k, self.v = cache.k[layer], cache.v[layer]
+    def __init__(self, slots: torch.Tensor, positions: torch.Tensor, t: int, dense: bool) -> None:
         self.dense = dense  # rows are slots 0..B-1 in order: attend through a view, no gather
         offsets = torch.arange(t, device=positions.device)
         self.rows = slots[:, None].expand(-1, t)
@@ -40,6 +39,15 @@ class LayerCache:
         self.length = int(self.cols.max()) + 1
         keys = torch.arange(self.length, device=positions.device)
         self.mask = (keys[None, None, :] <= self.cols[:, :, None])[:, None]  # [B, 1, T, L]
+
+
+class LayerCache:
+    """One layer's view of a KVCache for one forward call."""
+
+    def __init__(self, cache: KVCache, layer: int, step: Step) -> None:
+        self.k, self.v = cache.k[layer], cache.v[layer]
+        self.dense, self.rows, self.cols = step.dense, step.rows, step.cols
+        self.length, self.mask = step.length, step.mask
 
     def update(self, k: torch.Tensor, v: torch.Tensor):
         # Advanced indexing around a slice puts the indexed dims first: [B, T, H, D].
@@ -71,4 +79,5 @@ def positions_and_caches(idx: torch.Tensor, seq_len: int, n_layer: int, cache: K
     if int(pos.max()) >= min(seq_len, cache.max_len):
         raise ValueError("sequence longer than the model's context")
     dense = bool((slots == torch.arange(slots.numel(), device=slots.device)).all())
-    return pos, [LayerCache(cache, i, slots, positions, t, dense) for i in range(n_layer)]
+    step = Step(slots, positions, t, dense)
+    return pos, [LayerCache(cache, i, step) for i in range(n_layer)]

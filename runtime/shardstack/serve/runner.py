@@ -14,6 +14,7 @@ import torch
 from shardstack.model.gpt import GPT
 from shardstack.model.kvcache import KVCache
 from shardstack.model.llama import Llama
+from shardstack.serve.memory import check_kv_cache
 
 Model = GPT | Llama  # what exports hold; both decode each row in its own KV-cache slot
 
@@ -23,7 +24,9 @@ class ModelRunner:
                  dtype: torch.dtype) -> None:
         self.model = model
         self.device = torch.device(device)
-        # Sized by the model's config: n_kv_head key/value heads per layer (fewer than n_head under GQA).
+        # Sized by the model's config: n_kv_head key/value heads per layer (fewer than n_head under GQA), and
+        # checked against what the device has left before it is allocated.
+        check_kv_cache(model.config, slots, context, dtype, self.device)
         self.cache = KVCache(model.config, slots, context, dtype=dtype, device=self.device)
 
     def kv_cache_bytes(self) -> int:
