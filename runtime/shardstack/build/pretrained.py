@@ -28,6 +28,7 @@ from typing import Any
 import yaml
 
 from shardstack.errors import ShardstackError
+from shardstack.model.tokenizer import CHAT_TEMPLATE
 
 NAME = "stdlib-llama"
 RECORD = "pretrained.json"
@@ -53,7 +54,7 @@ def cache_root() -> Path:
 
 
 def recipe_key() -> str:
-    h = hashlib.sha256(json.dumps({"job": JOB, "vocab": VOCAB}, sort_keys=True).encode())
+    h = hashlib.sha256(json.dumps({"job": JOB, "vocab": VOCAB, "chat": CHAT_TEMPLATE}, sort_keys=True).encode())
     h.update(CORPUS.read_bytes())
     return h.hexdigest()[:12]
 

@@ -23,6 +23,10 @@ TOKENIZER_CONFIG = "tokenizer_config.json"
 SPECIAL_TOKENS_MAP = "special_tokens_map.json"
 FILES = (TOKENIZER_JSON, TOKENIZER_CONFIG, SPECIAL_TOKENS_MAP)
 EOS = "<|endoftext|>"  # what `tokenizer train` adds: the document separator, and generation's end
+# The chat format `tokenizer train` writes into tokenizer_config.json (transformers' `chat_template`): each message
+# as <|role|>, newline, its text, EOS; the assistant's turn opened at the end, so generation stops at its EOS.
+CHAT_TEMPLATE = ("{% for message in messages %}{{ '<|' + message['role'] + '|>\\n' + message['content'] + eos_token"
+                 " + '\\n' }}{% endfor %}{% if add_generation_prompt %}{{ '<|assistant|>\\n' }}{% endif %}")
 
 
 class Tokenizer(Protocol):
@@ -78,7 +82,10 @@ class HFTokenizer:
         return None if token is None else self.tok.token_to_id(token)
 
     def encode(self, text: str) -> list[int]:
-        return self.tok.encode(text, add_special_tokens=False).ids
+        """The text's ids, nothing added (a rendered chat prompt spells its own special tokens). Through the batch
+        API, which encodes without holding the GIL (see encode_prompt)."""
+        encode = getattr(self.tok, "encode_batch_fast", self.tok.encode_batch)
+        return encode([text], add_special_tokens=False)[0].ids
 
     def encode_prompt(self, text: str) -> list[int]:
         """A prompt as the model expects it: with what tokenizer.json's post-processor adds (Llama 3's
@@ -138,6 +145,7 @@ def train_bpe(inputs: Sequence[Path], vocab_size: int, out: str | Path) -> HFTok
     (out / TOKENIZER_CONFIG).write_text(json.dumps({
         "tokenizer_class": "PreTrainedTokenizerFast", **special, "add_prefix_space": False,
         "clean_up_tokenization_spaces": False,  # transformers' default clean-up would break decode ∘ encode = id
+        "chat_template": CHAT_TEMPLATE,
     }, indent=2) + "\n")
     (out / SPECIAL_TOKENS_MAP).write_text(json.dumps(special, indent=2) + "\n")
     return HFTokenizer(out)

@@ -55,8 +55,8 @@ async def _server_error(request: Request, exc: Exception) -> Response:
 
 
 class ApiMetricsMiddleware:
-    """Counts /v1/* responses by status code and named API key, and times successful completions (streamed ones to
-    the last byte)."""
+    """Counts /v1/* responses by status code and named API key, and times successful completions and chat
+    completions (streamed ones to the last byte)."""
 
     def __init__(self, app: ASGIApp, metrics: ServeMetrics) -> None:
         self.app = app
@@ -74,7 +74,7 @@ class ApiMetricsMiddleware:
             if message["type"] == "http.response.start":
                 status = message["status"]
             elif (message["type"] == "http.response.body" and not message.get("more_body")
-                  and 200 <= status < 300 and scope["path"] == routes.COMPLETIONS_PATH):
+                  and 200 <= status < 300 and scope["path"] in routes.GENERATE_PATHS):
                 self.metrics.request_duration.observe(time.monotonic() - started)
             await send(message)
 
@@ -101,6 +101,7 @@ def create_app(service: Service) -> Starlette:
     app = Starlette(
         routes=[
             Route(routes.COMPLETIONS_PATH, routes.completions, methods=["POST"]),
+            Route(routes.CHAT_PATH, routes.chat_completions, methods=["POST"]),
             Route("/v1/models", routes.models, methods=["GET"]),
             Route("/health", routes.health, methods=["GET"]),
             Route("/info", routes.info, methods=["GET"]),

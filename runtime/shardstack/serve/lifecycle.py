@@ -23,6 +23,7 @@ from starlette.requests import Request
 from shardstack.errors import ShardstackError
 from shardstack.model.manifest import Staged, stage_verified
 from shardstack.model.tokenizer import Tokenizer
+from shardstack.serve.chat import ChatTemplate, load_chat_template
 from shardstack.serve.metrics import ServeMetrics
 from shardstack.serve.notify import Notifier
 from shardstack.serve.protocol import ApiError, Limits, PromptContext, default_body_limit
@@ -79,6 +80,7 @@ class Service:
         self.engine: Scheduler | None = None
         self.meta: dict[str, Any] = {}
         self.verified: Staged | None = None  # what the signed manifest said, once the copy verified
+        self.chat_template: ChatTemplate | None = None  # the model's, for /v1/chat/completions
         self.limits: Limits | None = None
         self.tokenizer: Tokenizer | None = None
         self.prompt: PromptContext | None = None  # what request validation needs of the model
@@ -135,6 +137,7 @@ class Service:
         model.eval()
         vocab = model.config.vocab_size
         tokenizer = model_tokenizer(model_dir, meta, vocab)
+        self.chat_template = load_chat_template(model_dir)
         engine = Scheduler(model, tokenizer=tokenizer, eos_ids=eos_ids(model_dir, tokenizer),
                            context=s.context, max_batch=s.max_concurrency, max_queue=s.max_queue,
                            device=self.device, dtype=self.dtype, max_prefill_tokens=s.max_prefill_tokens,

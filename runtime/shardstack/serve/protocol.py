@@ -1,13 +1,14 @@
-"""The OpenAI-compatible request schema for `POST /v1/completions` (pydantic v2) and the one error shape.
+"""The OpenAI-compatible request schemas for `POST /v1/completions` and `POST /v1/chat/completions` (pydantic v2)
+and the one error shape.
 
-`parse_completion` turns the raw body into a typed `CompletionRequest` or raises `ApiError`. It is CPU work that
-grows with the body (JSON, validation, encoding the prompt), so the app runs it on a worker thread, and a text
-prompt longer in bytes than any prompt that fits the context could be is refused before it is encoded
-(`PromptContext.bytes_per_token`). The body is decoded with the standard library (strict UTF-8) and validated in
-strict mode: no coercion of `"5"` to 5 or `true` to 1,
-unknown fields are errors (a typo like `max_token` does not pass silently), text must be valid Unicode (a lone
-UTF-16 surrogate escape is refused by name), and sampling values must be ones float32 can honour. Anything a
-client can send maps to a 4xx; 5xx is reserved for faults of the service itself.
+`parse_completion` and `parse_chat` turn the raw body into a typed `CompletionRequest` or raise `ApiError`. It is
+CPU work that grows with the body (JSON, validation, rendering and encoding the prompt), so the app runs it on a
+worker thread, and text longer in bytes than any prompt that fits the context could be is refused before it is
+encoded (`PromptContext.bytes_per_token`). The body is decoded with the standard library (strict UTF-8) and
+validated in strict mode: no coercion of `"5"` to 5 or `true` to 1, unknown fields are errors (a typo like
+`max_token` does not pass silently), text must be valid Unicode (a lone UTF-16 surrogate escape is refused by name),
+and sampling values must be ones float32 can honour. Anything a client can send maps to a 4xx; 5xx is reserved for
+faults of the service itself.
 
 Every error the service returns has OpenAI's shape, `ErrorBody`:
 `{"error": {"message": ..., "type": ..., "param": ..., "code": ...}}`. Client strings quoted in a message
@@ -19,12 +20,13 @@ from __future__ import annotations
 import json
 import math
 from dataclasses import dataclass
-from typing import Annotated, Any
+from typing import Annotated, Any, Literal
 
 from pydantic import AfterValidator, BaseModel, BeforeValidator, ConfigDict, Field, ValidationError, ValidationInfo
 from pydantic_core import PydanticCustomError
 
 from shardstack.model.tokenizer import Tokenizer
+from shardstack.serve.chat import ChatTemplate, ChatTemplateError
 from shardstack.serve.sampling import FLOAT32_TINY, SamplingParams
 from shardstack.serve.text import max_input_bytes_per_token
 
@@ -192,6 +194,52 @@ class CompletionBody(BaseModel):
     logit_bias: Annotated[Any, _only(None)] = None
 
 
+class ContentPart(BaseModel):
+    model_config = ConfigDict(extra="forbid", strict=True)
+
+    type: Literal["text"]
+    text: Text
+
+
+class ChatMessage(BaseModel):
+    model_config = ConfigDict(extra="forbid", strict=True)
+
+    role: Literal["system", "developer", "user", "assistant"]
+    content: Text | list[ContentPart]
+    name: Text | None = None
+
+    def text(self) -> str:
+        return self.content if isinstance(self.content, str) else "".join(p.text for p in self.content)
+
+
+class ChatBody(BaseModel):
+    """`POST /v1/chat/completions`: messages instead of a prompt; generation as for a completion."""
+
+    model_config = ConfigDict(extra="forbid", strict=True)
+
+    model: Text | None = None
+    messages: Annotated[list[ChatMessage], Field(min_length=1)]
+    max_tokens: Annotated[int, Field(ge=1)] | None = None
+    max_completion_tokens: Annotated[int, Field(ge=1)] | None = None
+    temperature: Annotated[Sampling, Field(ge=0, le=2)] | None = None
+    top_p: Annotated[Sampling, Field(gt=0, le=1)] | None = None
+    stop: Annotated[list[Annotated[Text, AfterValidator(_stop_bytes)]], Field(max_length=MAX_STOP_SEQUENCES),
+                    BeforeValidator(_stop_list)] | None = None
+    seed: Annotated[int, Field(ge=_SEED_RANGE[0], le=_SEED_RANGE[1])] | None = None
+    stream: bool | None = None
+    stream_options: StreamOptions | None = None
+    user: Text | None = None
+    n: Annotated[Any, _only(1)] = None
+    logprobs: Annotated[Any, _only(False)] = None
+    top_logprobs: Annotated[Any, _only(None)] = None
+    presence_penalty: Annotated[Any, _only(0)] = None
+    frequency_penalty: Annotated[Any, _only(0)] = None
+    logit_bias: Annotated[Any, _only(None)] = None
+    tools: Annotated[Any, _only(None)] = None
+    tool_choice: Annotated[Any, _only(None)] = None
+    response_format: Annotated[Any, _only(None)] = None
+
+
 @dataclass(frozen=True)
 class PromptContext:
     """What validating a prompt needs of the served model."""
@@ -265,9 +313,7 @@ def _check_prompt_bytes(value: Any, limits: Limits, prompt: PromptContext) -> No
                       f"which does not fit the model context of {limits.context}", code="context_length_exceeded")
 
 
-def parse_completion(raw: bytes, limits: Limits, served_model: str, prompt: PromptContext) -> CompletionRequest:
-    """Validate a raw request body and encode its prompt; raises ApiError (400, or 404 for a model not served
-    here)."""
+def _json_object(raw: bytes) -> dict[str, Any]:
     if not raw.strip():
         raise invalid(None, "the request body is empty; expected a JSON object", code="invalid_json")
     try:
@@ -277,27 +323,29 @@ def parse_completion(raw: bytes, limits: Limits, served_model: str, prompt: Prom
                       code="invalid_json") from None
     if not isinstance(data, dict):
         raise invalid(None, "the request body must be a JSON object", code="invalid_json")
-    _check_prompt_bytes(data.get("prompt"), limits, prompt)
-    try:
-        body = CompletionBody.model_validate(data, context={"prompt": prompt})
-    except ValidationError as exc:
-        raise _rejection(exc) from None
+    return data
 
-    if body.model is not None and body.model != served_model:
-        raise ApiError(404, f"model {clip(body.model)!r} is not served here (this server serves {served_model!r})",
+
+def _served(model: str | None, served_model: str) -> None:
+    if model is not None and model != served_model:
+        raise ApiError(404, f"model {clip(model)!r} is not served here (this server serves {served_model!r})",
                        code="model_not_found", param="model")
-    prompt = body.prompt
-    max_tokens = body.max_tokens
+
+
+def _request(body: CompletionBody | ChatBody, prompt: list[int], max_tokens: int | None, max_tokens_param: str,
+             limits: Limits) -> CompletionRequest:
+    """The generation a validated body asks for, checked against the served model's limits."""
     if max_tokens is None:
         max_tokens = min(limits.default_max_tokens, limits.max_tokens)
     elif max_tokens > limits.max_tokens:
-        raise invalid("max_tokens", f"must be in [1, {limits.max_tokens}], got {clip(str(max_tokens))}")
+        raise invalid(max_tokens_param, f"must be in [1, {limits.max_tokens}], got {clip(str(max_tokens))}")
+    prompt_param = "prompt" if isinstance(body, CompletionBody) else "messages"
     if len(prompt) >= limits.context:
-        raise invalid("prompt", f"{len(prompt)} tokens does not fit the model context of {limits.context}",
+        raise invalid(prompt_param, f"{len(prompt)} tokens does not fit the model context of {limits.context}",
                       code="context_length_exceeded")
     if len(prompt) + max_tokens > limits.context:
-        raise invalid("max_tokens", f"prompt ({len(prompt)} tokens) + max_tokens ({max_tokens}) exceeds the "
-                      f"model context of {limits.context}", code="context_length_exceeded")
+        raise invalid(max_tokens_param, f"{prompt_param} ({len(prompt)} tokens) + {max_tokens_param} "
+                      f"({max_tokens}) exceeds the model context of {limits.context}", code="context_length_exceeded")
     stream = bool(body.stream)
     if body.stream_options is not None and not stream:
         raise invalid("stream_options", "is only allowed with stream: true")
@@ -314,3 +362,59 @@ def parse_completion(raw: bytes, limits: Limits, served_model: str, prompt: Prom
         include_usage=body.stream_options is not None and body.stream_options.include_usage,
         model=body.model,
     )
+
+
+def parse_completion(raw: bytes, limits: Limits, served_model: str, prompt: PromptContext) -> CompletionRequest:
+    """Validate a raw request body and encode its prompt; raises ApiError (400, or 404 for a model not served
+    here)."""
+    data = _json_object(raw)
+    _check_prompt_bytes(data.get("prompt"), limits, prompt)
+    try:
+        body = CompletionBody.model_validate(data, context={"prompt": prompt})
+    except ValidationError as exc:
+        raise _rejection(exc) from None
+    _served(body.model, served_model)
+    return _request(body, body.prompt, body.max_tokens, "max_tokens", limits)
+
+
+def _message_bytes(messages: Any) -> int:
+    """The UTF-8 size of the messages' text, for the size check before any template or tokenizer runs (what is
+    not well-formed is left to validation)."""
+    size = 0
+    for m in messages if isinstance(messages, list) else []:
+        content = m.get("content") if isinstance(m, dict) else None
+        parts = [content] if isinstance(content, str) else \
+            [p.get("text") for p in content if isinstance(p, dict)] if isinstance(content, list) else []
+        size += sum(len(t.encode("utf-8", "surrogatepass")) for t in parts if isinstance(t, str))
+    return size
+
+
+def parse_chat(raw: bytes, limits: Limits, served_model: str, prompt: PromptContext,
+               template: ChatTemplate | None) -> CompletionRequest:
+    """Validate a chat request, render its messages with the model's chat template and encode the result; raises
+    ApiError like parse_completion (and 400 for a model without a chat template or messages it refuses)."""
+    data = _json_object(raw)
+    size = _message_bytes(data.get("messages"))
+    if math.ceil(size / prompt.bytes_per_token) >= limits.context:
+        raise invalid("messages", f"{size} bytes of text cannot fit the model context of {limits.context} tokens "
+                      "with this tokenizer", code="context_length_exceeded")
+    try:
+        body = ChatBody.model_validate(data)
+    except ValidationError as exc:
+        raise _rejection(exc) from None
+    _served(body.model, served_model)
+    if template is None:
+        raise ApiError(400, f"model {served_model!r} has no chat template (tokenizer_config.json's chat_template); "
+                       "send a prompt to /v1/completions", code="chat_template_missing", param="messages")
+    if body.max_tokens is not None and body.max_completion_tokens is not None:
+        raise invalid("max_completion_tokens", "give it or max_tokens, not both")
+    try:
+        text = template.render([{"role": m.role, "content": m.text()} for m in body.messages])
+    except ChatTemplateError as exc:
+        raise invalid("messages", str(exc)) from None
+    ids = prompt.tokenizer.encode(text)
+    if not ids:
+        raise invalid("messages", "the chat template rendered them as an empty prompt")
+    if body.max_completion_tokens is not None:
+        return _request(body, ids, body.max_completion_tokens, "max_completion_tokens", limits)
+    return _request(body, ids, body.max_tokens, "max_tokens", limits)

@@ -1,4 +1,5 @@
-"""The HTTP routes: OpenAI-compatible completions (plain or server-sent events), health, info, models, metrics."""
+"""The HTTP routes: OpenAI-compatible completions and chat completions (plain or server-sent events), health, info,
+models, metrics."""
 
 from __future__ import annotations
 
@@ -7,7 +8,8 @@ import json
 import socket
 import time
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass
 from typing import Any
 
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
@@ -19,10 +21,38 @@ from starlette.types import Receive
 from shardstack import __version__
 from shardstack.serve.accesslog import request_fields
 from shardstack.serve.lifecycle import Service
-from shardstack.serve.protocol import ApiError, CompletionRequest, parse_completion
+from shardstack.serve.protocol import ApiError, CompletionRequest, parse_chat, parse_completion
 from shardstack.serve.scheduler import Output, QueueFull, Scheduler, Sequence
 
 COMPLETIONS_PATH = "/v1/completions"
+CHAT_PATH = "/v1/chat/completions"
+GENERATE_PATHS = (COMPLETIONS_PATH, CHAT_PATH)
+
+
+@dataclass(frozen=True)
+class Shape:
+    """How one kind of generation is answered: OpenAI's object names and choice shapes for text and for chat."""
+
+    id_prefix: str
+    object: str
+    chunk_object: str
+    chat: bool
+
+    def choice(self, text: str, finish: str | None) -> dict[str, Any]:
+        body = {"message": {"role": "assistant", "content": text}} if self.chat else {"text": text}
+        return {"index": 0, **body, "logprobs": None, "finish_reason": finish}
+
+    def chunk(self, text: str, finish: str | None, first: bool) -> dict[str, Any]:
+        if not self.chat:
+            return self.choice(text, finish)
+        delta: dict[str, str] = {"role": "assistant"} if first else {}
+        if text or first:
+            delta["content"] = text
+        return {"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish}
+
+
+TEXT = Shape("cmpl-", "text_completion", "text_completion", chat=False)
+CHAT = Shape("chatcmpl-", "chat.completion", "chat.completion.chunk", chat=True)
 
 
 def _service(request: Request) -> Service:
@@ -61,6 +91,7 @@ async def info(request: Request) -> JSONResponse:
         "step": svc.meta.get("step"),
         # How the weights were checked: the signed manifest's key id, or null (--allow-unsigned).
         "signed_by": svc.verified.key_id if svc.verified else None,
+        "chat_template": svc.chat_template is not None,  # whether /v1/chat/completions can serve this model
         "dtype": str(svc.dtype).removeprefix("torch.") if svc.dtype else None,
         "device": str(svc.device) if svc.device else None,
         "limits": {
@@ -103,6 +134,15 @@ async def _read_body(request: Request, limit: int) -> bytes:
 
 
 async def completions(request: Request) -> Response:
+    return await _generate(request, TEXT, lambda svc, raw: parse_completion(raw, svc.limits, svc.name, svc.prompt))
+
+
+async def chat_completions(request: Request) -> Response:
+    return await _generate(request, CHAT,
+                           lambda svc, raw: parse_chat(raw, svc.limits, svc.name, svc.prompt, svc.chat_template))
+
+
+async def _generate(request: Request, shape: Shape, parse: Callable[[Service, bytes], CompletionRequest]) -> Response:
     svc = _service(request)
     svc.authorize(request)
     engine = svc.admitting_engine()
@@ -111,9 +151,9 @@ async def completions(request: Request) -> Response:
         raise ApiError(415, "Content-Type must be application/json", code="unsupported_media_type")
     assert svc.limits is not None and svc.prompt is not None and svc.max_body_bytes is not None
     raw = await _read_body(request, svc.max_body_bytes)
-    # JSON, validation and the tokenizer take time that grows with the body: on a worker thread, so /health and
-    # the other streams keep being served meanwhile (HFTokenizer encodes without holding the GIL).
-    req = await run_in_threadpool(parse_completion, raw, svc.limits, svc.name, svc.prompt)
+    # JSON, validation, the chat template and the tokenizer take time that grows with the body: on a worker thread,
+    # so /health and the other streams keep being served meanwhile (HFTokenizer encodes without holding the GIL).
+    req = await run_in_threadpool(parse, svc, raw)
     access = request_fields(request.scope)  # token counts for the access log (never the prompt itself)
     access["prompt_tokens"] = len(req.prompt)
 
@@ -125,12 +165,14 @@ async def completions(request: Request) -> Response:
     except QueueFull:
         raise ApiError(429, "server is at capacity; retry later", code="rate_limit_exceeded",
                        headers={"Retry-After": str(engine.retry_after())}) from None
-    meta = {"id": f"cmpl-{uuid.uuid4().hex}", "object": "text_completion", "created": int(time.time()),
+    meta = {"id": f"{shape.id_prefix}{uuid.uuid4().hex}", "object": shape.object, "created": int(time.time()),
             "model": svc.name}
     if req.stream:
-        return StreamingResponse(_sse(engine, seq, events, req, meta, access), media_type="text/event-stream",
+        chunk_meta = {**meta, "object": shape.chunk_object}
+        return StreamingResponse(_sse(engine, seq, events, req, shape, chunk_meta, access),
+                                 media_type="text/event-stream",
                                  headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
-    return await _complete(request, engine, seq, events, req, meta, access)
+    return await _complete(request, engine, seq, events, req, shape, meta, access)
 
 
 def _usage(req: CompletionRequest, completion_tokens: int) -> dict[str, int]:
@@ -150,7 +192,7 @@ async def _wait_disconnect(receive: Receive) -> None:
 
 
 async def _complete(request: Request, engine: Scheduler, seq: Sequence, events: asyncio.Queue[Output],
-                    req: CompletionRequest, meta: dict[str, Any], access: dict[str, Any]) -> Response:
+                    req: CompletionRequest, shape: Shape, meta: dict[str, Any], access: dict[str, Any]) -> Response:
     # Watch for the client going away so an abandoned request frees its slot instead of running to max_tokens.
     gone = asyncio.ensure_future(_wait_disconnect(request.receive))
     result = asyncio.ensure_future(events.get())  # a non-streamed sequence reports once, when finished
@@ -166,7 +208,7 @@ async def _complete(request: Request, engine: Scheduler, seq: Sequence, events: 
     if ev.error:
         raise _engine_failure(ev)
     access.update(completion_tokens=ev.completion_tokens, finish_reason=ev.finish_reason)
-    choice = {"text": ev.data, "index": 0, "logprobs": None, "finish_reason": ev.finish_reason}
+    choice = shape.choice(ev.data, ev.finish_reason)
     return JSONResponse({**meta, "choices": [choice], "usage": _usage(req, ev.completion_tokens)})
 
 
@@ -175,8 +217,9 @@ def _sse_line(obj: Any) -> str:
 
 
 async def _sse(engine: Scheduler, seq: Sequence, events: asyncio.Queue[Output], req: CompletionRequest,
-               meta: dict[str, Any], access: dict[str, Any]) -> AsyncIterator[str]:
+               shape: Shape, meta: dict[str, Any], access: dict[str, Any]) -> AsyncIterator[str]:
     finished = False
+    first = True
     try:
         while not finished:
             ev = await events.get()
@@ -186,8 +229,8 @@ async def _sse(engine: Scheduler, seq: Sequence, events: asyncio.Queue[Output], 
             finished = ev.finish_reason is not None
             access.update(completion_tokens=ev.completion_tokens, finish_reason=ev.finish_reason)
             if ev.data or finished:
-                choice = {"text": ev.data, "index": 0, "logprobs": None, "finish_reason": ev.finish_reason}
-                yield _sse_line({**meta, "choices": [choice]})
+                yield _sse_line({**meta, "choices": [shape.chunk(ev.data, ev.finish_reason, first)]})
+                first = False
         if finished and req.include_usage:
             yield _sse_line({**meta, "choices": [], "usage": _usage(req, ev.completion_tokens)})
         yield "data: [DONE]\n\n"
