@@ -168,13 +168,13 @@ class StreamOptions(BaseModel):
     include_usage: bool = False
 
 
-class CompletionBody(BaseModel):
-    """The accepted body, field by field; limits that depend on the served model are checked in parse_completion."""
+class Generation(BaseModel):
+    """What both endpoints take besides their prompt: the model, sampling, stop, streaming, and OpenAI's fields this
+    engine honours only at their neutral value. Limits that depend on the served model are checked in `_request`."""
 
     model_config = ConfigDict(extra="forbid", strict=True)
 
     model: Text | None = None
-    prompt: Annotated[list[int], BeforeValidator(_prompt)]
     max_tokens: Annotated[int, Field(ge=1)] | None = None
     temperature: Annotated[Sampling, Field(ge=0, le=2)] | None = None  # 0 = greedy
     top_p: Annotated[Sampling, Field(gt=0, le=1)] | None = None
@@ -185,13 +185,19 @@ class CompletionBody(BaseModel):
     stream_options: StreamOptions | None = None
     user: Text | None = None
     n: Annotated[Any, _only(1)] = None
+    presence_penalty: Annotated[Any, _only(0)] = None
+    frequency_penalty: Annotated[Any, _only(0)] = None
+    logit_bias: Annotated[Any, _only(None)] = None
+
+
+class CompletionBody(Generation):
+    """`POST /v1/completions`."""
+
+    prompt: Annotated[list[int], BeforeValidator(_prompt)]
     best_of: Annotated[Any, _only(1)] = None
     echo: Annotated[Any, _only(False)] = None
     logprobs: Annotated[Any, _only(None)] = None
     suffix: Annotated[Any, _only(None)] = None
-    presence_penalty: Annotated[Any, _only(0)] = None
-    frequency_penalty: Annotated[Any, _only(0)] = None
-    logit_bias: Annotated[Any, _only(None)] = None
 
 
 class ContentPart(BaseModel):
@@ -212,29 +218,13 @@ class ChatMessage(BaseModel):
         return self.content if isinstance(self.content, str) else "".join(p.text for p in self.content)
 
 
-class ChatBody(BaseModel):
-    """`POST /v1/chat/completions`: messages instead of a prompt; generation as for a completion."""
+class ChatBody(Generation):
+    """`POST /v1/chat/completions`: messages instead of a prompt."""
 
-    model_config = ConfigDict(extra="forbid", strict=True)
-
-    model: Text | None = None
     messages: Annotated[list[ChatMessage], Field(min_length=1)]
-    max_tokens: Annotated[int, Field(ge=1)] | None = None
     max_completion_tokens: Annotated[int, Field(ge=1)] | None = None
-    temperature: Annotated[Sampling, Field(ge=0, le=2)] | None = None
-    top_p: Annotated[Sampling, Field(gt=0, le=1)] | None = None
-    stop: Annotated[list[Annotated[Text, AfterValidator(_stop_bytes)]], Field(max_length=MAX_STOP_SEQUENCES),
-                    BeforeValidator(_stop_list)] | None = None
-    seed: Annotated[int, Field(ge=_SEED_RANGE[0], le=_SEED_RANGE[1])] | None = None
-    stream: bool | None = None
-    stream_options: StreamOptions | None = None
-    user: Text | None = None
-    n: Annotated[Any, _only(1)] = None
     logprobs: Annotated[Any, _only(False)] = None
     top_logprobs: Annotated[Any, _only(None)] = None
-    presence_penalty: Annotated[Any, _only(0)] = None
-    frequency_penalty: Annotated[Any, _only(0)] = None
-    logit_bias: Annotated[Any, _only(None)] = None
     tools: Annotated[Any, _only(None)] = None
     tool_choice: Annotated[Any, _only(None)] = None
     response_format: Annotated[Any, _only(None)] = None
@@ -332,7 +322,7 @@ def _served(model: str | None, served_model: str) -> None:
                        code="model_not_found", param="model")
 
 
-def _request(body: CompletionBody | ChatBody, prompt: list[int], max_tokens: int | None, max_tokens_param: str,
+def _request(body: Generation, prompt: list[int], max_tokens: int | None, max_tokens_param: str,
              limits: Limits) -> CompletionRequest:
     """The generation a validated body asks for, checked against the served model's limits."""
     if max_tokens is None:
