@@ -219,7 +219,7 @@ def test_a_role_that_uses_a_shared_variable_depends_on_shardstack_common(role: s
 ONE_HOME = {
     "the sbsa architecture expression": "'sbsa'",
     "the CUDA repository's signing key": "shardstack_cuda_repo_key_fingerprints",
-    "the CUDA .repo file": "/etc/yum.repos.d/cuda-",
+    "the CUDA dnf repository": "ansible.builtin.yum_repository",
     "the OS-variables lookup": "first_found",
     "the PCI probe": '"/sys/bus/pci/devices/*/vendor"',
     "the device-node probe": '"/dev/nvidia[0-9]+"',
