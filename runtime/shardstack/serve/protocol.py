@@ -289,18 +289,20 @@ def _rejection(exc: ValidationError) -> ApiError:
     return invalid(param, err["msg"])
 
 
-def _check_prompt_bytes(value: Any, limits: Limits, prompt: PromptContext) -> None:
-    """Refuse a text prompt too long in bytes to fit the context, before anything encodes it: N bytes are at least
-    ceil(N / bytes_per_token) tokens. What is not a text prompt is left to validation."""
-    if isinstance(value, list) and len(value) == 1:
-        value = value[0]
-    if not isinstance(value, str):
-        return
-    size = len(value.encode("utf-8", "surrogatepass"))  # a lone surrogate is refused later, by validation
+def _check_text_bytes(size: int, param: str, limits: Limits, prompt: PromptContext) -> None:
+    """Refuse `size` bytes of text too long to fit the context, before anything encodes it: N bytes are at least
+    ceil(N / bytes_per_token) tokens."""
     least = math.ceil(size / prompt.bytes_per_token)
     if least >= limits.context:
-        raise invalid("prompt", f"{size} bytes of text cannot be fewer than {least} tokens with this tokenizer, "
+        raise invalid(param, f"{size} bytes of text cannot be fewer than {least} tokens with this tokenizer, "
                       f"which does not fit the model context of {limits.context}", code="context_length_exceeded")
+
+
+def _prompt_bytes(value: Any) -> int:
+    """The UTF-8 size of a text prompt (0 for anything else, which is left to validation)."""
+    if isinstance(value, list) and len(value) == 1:
+        value = value[0]
+    return len(value.encode("utf-8", "surrogatepass")) if isinstance(value, str) else 0  # a lone surrogate: later
 
 
 def _json_object(raw: bytes) -> dict[str, Any]:
@@ -322,14 +324,13 @@ def _served(model: str | None, served_model: str) -> None:
                        code="model_not_found", param="model")
 
 
-def _request(body: Generation, prompt: list[int], max_tokens: int | None, max_tokens_param: str,
+def _request(body: Generation, prompt: list[int], prompt_param: str, max_tokens: int | None, max_tokens_param: str,
              limits: Limits) -> CompletionRequest:
     """The generation a validated body asks for, checked against the served model's limits."""
     if max_tokens is None:
         max_tokens = min(limits.default_max_tokens, limits.max_tokens)
     elif max_tokens > limits.max_tokens:
         raise invalid(max_tokens_param, f"must be in [1, {limits.max_tokens}], got {clip(str(max_tokens))}")
-    prompt_param = "prompt" if isinstance(body, CompletionBody) else "messages"
     if len(prompt) >= limits.context:
         raise invalid(prompt_param, f"{len(prompt)} tokens does not fit the model context of {limits.context}",
                       code="context_length_exceeded")
@@ -358,13 +359,13 @@ def parse_completion(raw: bytes, limits: Limits, served_model: str, prompt: Prom
     """Validate a raw request body and encode its prompt; raises ApiError (400, or 404 for a model not served
     here)."""
     data = _json_object(raw)
-    _check_prompt_bytes(data.get("prompt"), limits, prompt)
+    _check_text_bytes(_prompt_bytes(data.get("prompt")), "prompt", limits, prompt)
     try:
         body = CompletionBody.model_validate(data, context={"prompt": prompt})
     except ValidationError as exc:
         raise _rejection(exc) from None
     _served(body.model, served_model)
-    return _request(body, body.prompt, body.max_tokens, "max_tokens", limits)
+    return _request(body, body.prompt, "prompt", body.max_tokens, "max_tokens", limits)
 
 
 def _message_bytes(messages: Any) -> int:
@@ -384,10 +385,7 @@ def parse_chat(raw: bytes, limits: Limits, served_model: str, prompt: PromptCont
     """Validate a chat request, render its messages with the model's chat template and encode the result; raises
     ApiError like parse_completion (and 400 for a model without a chat template or messages it refuses)."""
     data = _json_object(raw)
-    size = _message_bytes(data.get("messages"))
-    if math.ceil(size / prompt.bytes_per_token) >= limits.context:
-        raise invalid("messages", f"{size} bytes of text cannot fit the model context of {limits.context} tokens "
-                      "with this tokenizer", code="context_length_exceeded")
+    _check_text_bytes(_message_bytes(data.get("messages")), "messages", limits, prompt)
     try:
         body = ChatBody.model_validate(data)
     except ValidationError as exc:
@@ -406,5 +404,5 @@ def parse_chat(raw: bytes, limits: Limits, served_model: str, prompt: PromptCont
     if not ids:
         raise invalid("messages", "the chat template rendered them as an empty prompt")
     if body.max_completion_tokens is not None:
-        return _request(body, ids, body.max_completion_tokens, "max_completion_tokens", limits)
-    return _request(body, ids, body.max_tokens, "max_tokens", limits)
+        return _request(body, ids, "messages", body.max_completion_tokens, "max_completion_tokens", limits)
+    return _request(body, ids, "messages", body.max_tokens, "max_tokens", limits)
