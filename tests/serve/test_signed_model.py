@@ -140,3 +140,13 @@ def test_serve_needs_the_key_or_an_explicit_opt_out(tmp_path: Path) -> None:
                            "--key-file", str(tmp_path / "nokey")], capture_output=True, text=True, timeout=60)
     assert proc.returncode == 2 and f"no signing key at {tmp_path / 'nokey'}" in proc.stderr
     assert "--allow-unsigned" in proc.stderr and "Traceback" not in proc.stderr
+
+
+def test_a_stage_directory_that_cannot_hold_the_copy_is_a_clear_error(signed: tuple[Path, SigningKey, Path]) -> None:
+    model, key, into = signed
+    not_a_dir = into / "file"
+    not_a_dir.write_text("")
+    with pytest.raises(ShardstackError) as err:
+        stage_verified(model, key, not_a_dir)
+    assert f"cannot make the private copy of {model} in {not_a_dir}: Not a directory" in str(err.value)
+    assert "--stage-dir must be a writable directory" in str(err.value)

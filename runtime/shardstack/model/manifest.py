@@ -150,10 +150,18 @@ def stage_verified(model_dir: str | os.PathLike, key: SigningKey, into: str | os
         if problem is not None:
             raise ShardstackError(f"{where} does not verify: {problem[1]}", hint=_HINT)
         files = _listed(manifest, where)
-        dest = Path(tempfile.mkdtemp(prefix="shardstack-model-", dir=into))
+        try:
+            dest = Path(tempfile.mkdtemp(prefix="shardstack-model-", dir=into))
+        except OSError as exc:
+            raise ShardstackError(f"cannot make the private copy of {where} in {into}: {exc.strerror}",
+                                  hint="--stage-dir must be a writable directory") from None
         try:
             for name, (size, digest) in sorted(files.items()):
                 _copy_checked(dfd, name, dest / name, size, digest, where)
+        except OSError as exc:  # writing the copy: a full or failing stage directory, not the export
+            shutil.rmtree(dest, ignore_errors=True)
+            raise ShardstackError(f"cannot copy {where} into {dest}: {exc.strerror}",
+                                  hint="--stage-dir needs room for the whole model while it loads") from None
         except BaseException:
             shutil.rmtree(dest, ignore_errors=True)
             raise
