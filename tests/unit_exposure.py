@@ -70,6 +70,8 @@ class Case:
 CASES = [
     Case("inference service", "shardstack-inference.service", 2.0, "inference_service",
          template="shardstack-inference.service.j2"),
+    Case("inference service (vLLM)", "shardstack-inference.service", 2.0, "inference_service",
+         template="shardstack-inference.service.j2", variables={"inference_service_engine": "vllm"}),
     Case("training job", "shardstack-train@job.service", 3.0, "training_runtime",
          template="shardstack-train@.service.j2"),
     Case("dcgm-exporter", "dcgm-exporter.service", 3.0, "dcgm_exporter", template="dcgm-exporter.service.j2"),

@@ -93,6 +93,36 @@ def test_an_unsigned_model_is_served_only_when_the_inventory_says_so() -> None:
         "LoadCredential=token:/etc/shardstack/inference.token"]
 
 
+def vllm_unit(**variables: object) -> str:
+    return render("inference_service", "shardstack-inference.service.j2", inventory_hostname="n3",
+                  ansible_host="10.0.0.3", inference_service_engine="vllm", **variables)
+
+
+def test_a_vllm_node_runs_vllm_from_its_venv_in_the_same_hardened_unit(inference_unit: str) -> None:
+    unit = vllm_unit()
+    argv = exec_argv(unit)
+    assert argv[0] == "/opt/shardstack/vllm-venv/bin/shardstack"
+    args = build_parser(argv[1:]).parse_args(argv[1:])
+    assert args.engine == "vllm" and args.host == "10.0.0.3" and args.port == 8000 and args.max_concurrency == 8
+    # The built-in engine's admission options are not passed to vLLM, which has none of them.
+    assert not {"--max-queue", "--stall-seconds", "--device", "--max-tokens", "--max-body-bytes"} & set(argv)
+    # The same credentials, readiness, watchdog and sandbox as the built-in engine's unit.
+    builtin, vllm = unit_sections(inference_unit)["Service"], unit_sections(unit)["Service"]
+    assert str(args.token_file) == "%d/token" and str(args.key_file) == "%d/signing-key"
+    same = {k: v for k, v in builtin.items() if k not in ("ExecStart", "Environment")}
+    assert {k: vllm[k] for k in same} == same
+    assert vllm["CacheDirectory"] == "shardstack-inference"  # ProtectSystem=strict: its caches go there
+
+
+@pytest.mark.parametrize(("gpus", "setting", "want"), [(0, 0, 1), (8, 0, 8), (8, 2, 2), (0, 4, 4)])
+def test_vllm_shards_over_every_gpu_of_the_node_unless_told(gpus: int, setting: int, want: int) -> None:
+    hardware = {"nvidia_gpu_functions": [f"0000:{i:02x}:00.0" for i in range(gpus)]}
+    unit = vllm_unit(shardstack_hardware=hardware, inference_service_tensor_parallel=setting,
+                     inference_service_kv_cache_gib=3)
+    args = build_parser(exec_argv(unit)[1:]).parse_args(exec_argv(unit)[1:])
+    assert (args.tensor_parallel, args.kv_cache_gib) == (want, 3)
+
+
 def test_train_execstart_is_torchrun_with_c10d_and_max_restarts(train_unit: str) -> None:
     from torch.distributed.run import get_args_parser
 
