@@ -38,6 +38,10 @@ PROMETHEUS = {
     status_ops.BACKEND_METRICS["requests_per_second"]: _vector(({"node": "i1"}, "0"), ({"node": "i2"}, "12.25")),
     # i1 is drained: no request in the window, so the quantile is NaN.
     status_ops.BACKEND_METRICS["p99_seconds"]: _vector(({"node": "i1"}, "NaN"), ({"node": "i2"}, "0.84")),
+    status_ops.BACKEND_METRICS["engine_waiting"]: _vector(({"node": "i1"}, "0"), ({"node": "i2"}, "2")),
+    # i2 runs vLLM: its KV-cache use and vllm:* series.
+    status_ops.BACKEND_METRICS["kv_cache_usage"]: _vector(({"node": "i2"}, "0.375")),
+    status_ops.BACKEND_METRICS["vllm"]: _vector(({"node": "i2"}, "1")),
 }
 ALERTS = {"status": "success", "data": {"alerts": [
     {"labels": {"alertname": "GPUHealthUncorrectableECC", "severity": "critical", "node": "t1", "gpu": "1"},
@@ -152,9 +156,11 @@ def test_collect_everything(server: str) -> None:
                             "last_step_timestamp": 1764583199.0, "eta_seconds": 1900.0}]
     assert st.backends == [
         {"server": "i1", "status": "DRAIN", "sessions": 0, "queued": 0, "sessions_total": 401, "check": "L7OK",
-         "requests_per_second": 0.0, "p99_seconds": None},
+         "requests_per_second": 0.0, "p99_seconds": None, "engine_waiting": 0.0, "kv_cache_usage": None,
+         "engine": "builtin"},
         {"server": "i2", "status": "UP", "sessions": 3, "queued": 1, "sessions_total": 411, "check": "L7OK",
-         "requests_per_second": 12.25, "p99_seconds": 0.84}]
+         "requests_per_second": 12.25, "p99_seconds": 0.84, "engine_waiting": 2.0, "kv_cache_usage": 0.375,
+         "engine": "vllm"}]
     # Firing only (pending is not), critical first.
     assert [(a["name"], a["node"]) for a in st.alerts] == [("GPUHealthUncorrectableECC", "t1"), ("Watchdog", "")]
     assert st.notes == []
@@ -186,8 +192,9 @@ def test_status_table(server: str) -> None:
     assert "up drained" in text and "DRAIN" in text
     assert "step 1200/5000, loss 2.8125, 51234 tokens/s, last checkpoint 1000, ETA 31m40s" in text
     assert "GPUHealthUncorrectableECC" in text and "shardstack-inference.service" in text
-    assert "12.2 req/s, p99 0.840 s, 3 sessions, 1 queued, 411 since start" in text
-    assert "- req/s, p99 - s" not in text and "0.0 req/s, p99 - s, 0 sessions" in text
+    assert ("vllm: 12.2 req/s, p99 0.840 s, 2 waiting, KV cache 38%; 3 sessions, 1 queued at the edge, 411 since "
+            "start") in text
+    assert "- req/s, p99 - s" not in text and "builtin: 0.0 req/s, p99 - s, 0 waiting; 0 sessions" in text
 
 
 def test_sources_from_the_inventory() -> None:

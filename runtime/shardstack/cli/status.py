@@ -53,9 +53,11 @@ def table(st: status_ops.Status) -> Table:
         t.add_row("training", tr["node"], "reporting", detail)
     for b in st.backends:
         colour = "green" if b["status"] == "UP" else "yellow" if b["status"] == "DRAIN" else "red"
-        detail = (f"{_num(b.get('requests_per_second'), '{:.1f}')} req/s, p99 "
-                  f"{_num(b.get('p99_seconds'), '{:.3f}')} s, {b['sessions']} sessions, {b['queued']} queued, "
-                  f"{b['sessions_total']} since start, check {b['check'] or '-'}")
+        detail = (f"{b.get('engine') or '-'}: {_num(b.get('requests_per_second'), '{:.1f}')} req/s, p99 "
+                  f"{_num(b.get('p99_seconds'), '{:.3f}')} s, {_num(b.get('engine_waiting'), '{:.0f}')} waiting"
+                  + (f", KV cache {b['kv_cache_usage']:.0%}" if b.get("kv_cache_usage") is not None else "")
+                  + f"; {b['sessions']} sessions, {b['queued']} queued at the edge, {b['sessions_total']} since "
+                    f"start, check {b['check'] or '-'}")
         t.add_row("backend", b["server"], f"[{colour}]{b['status']}[/]", detail)
     for a in st.alerts:
         colour = "red" if a["severity"] == "critical" else "yellow"

@@ -24,11 +24,15 @@ TRAIN_METRICS = {"step": "shardstack_train_step", "loss": "shardstack_train_loss
                  "step_seconds": "shardstack_train_step_seconds", "end_step": "shardstack_train_end_step",
                  "last_checkpoint_step": "shardstack_train_last_checkpoint_step",
                  "last_step_timestamp": "shardstack_train_last_step_timestamp_seconds"}
-# Per inference backend, from the service's own metrics (HAProxy 2.6 has no per-server request rate or latency).
+# Per inference backend, from the service's own metrics (HAProxy 2.6 has no per-server request rate or latency);
+# a vLLM backend's under the same names (Prometheus records them: roles/prometheus/files/rules/vllm.rules.yml).
 BACKEND_METRICS = {
     "requests_per_second": 'sum by (node) (rate(shardstack_infer_requests_total{job="inference"}[1m]))',
     "p99_seconds": 'histogram_quantile(0.99, sum by (node, le) '
                    '(rate(shardstack_infer_request_duration_seconds_bucket{job="inference"}[5m])))',
+    "engine_waiting": 'sum by (node) (shardstack_infer_requests_waiting{job="inference"})',
+    "kv_cache_usage": 'max by (node) (shardstack_infer_kv_cache_usage_ratio{job="inference"})',
+    "vllm": 'count by (node) (vllm:num_requests_running{job="inference"})',  # present: the node runs vLLM
 }
 
 
@@ -140,6 +144,7 @@ def collect(groups: dict[str, list[str]], cordoned: dict[str, dict[str, Any]], p
             status.notes.append(f"HAProxy: {exc}")
     for b in status.backends:
         b.update({key: served.get(b["server"], {}).get(key) for key in BACKEND_METRICS})
+        b["engine"] = "vllm" if b.pop("vllm") else "builtin" if b["server"] in served else None
     return status
 
 
