@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import argparse
 import hmac
+import itertools
 import json
 import logging
 import os
@@ -87,16 +88,9 @@ def cpu_environment(threads: int | None, kv_cache_gib: int | None, allowed: set[
 
 
 def _ranges(cpus: list[int]) -> str:
-    parts: list[str] = []
-    start = prev = None
-    for c in [*cpus, None]:
-        if start is not None and c == prev + 1:  # type: ignore[operator]
-            prev = c
-            continue
-        if start is not None:
-            parts.append(str(start) if start == prev else f"{start}-{prev}")
-        start = prev = c
-    return ",".join(parts)
+    """[0, 1, 2, 5] -> "0-2,5" (sorted input)."""
+    runs = [[c for _, c in run] for _, run in itertools.groupby(enumerate(cpus), lambda ic: ic[1] - ic[0])]
+    return ",".join(str(r[0]) if len(r) == 1 else f"{r[0]}-{r[-1]}" for r in runs)
 
 
 class BearerAuth:
@@ -134,7 +128,6 @@ class HealthNotifier(threading.Thread):
     def __init__(self, url: str, notifier: Notifier, staged: Staged | None, name: str) -> None:
         super().__init__(name="shardstack-vllm-health", daemon=True)
         self.url, self.notifier, self.staged, self.name = url, notifier, staged, name
-        self.ready = threading.Event()
 
     def healthy(self, timeout: float) -> bool:
         try:
@@ -151,7 +144,6 @@ class HealthNotifier(threading.Thread):
             time.sleep(1.0)
         if self.staged is not None:  # weights and tokenizer are in memory now
             shutil.rmtree(self.staged.path, ignore_errors=True)
-        self.ready.set()
         log.info("vLLM is healthy at %s: serving %s", self.url, self.name)
         self.notifier.ready(f"serving {self.name} (vLLM)")
         if not interval:
@@ -162,10 +154,13 @@ class HealthNotifier(threading.Thread):
             ok = self.healthy(interval / 4)
             if ok:
                 self.notifier.watchdog()
-            if ok == failing:  # log transitions only
-                failing = not ok
-                log.error("vLLM's /health failed; withholding the watchdog ping") if failing else \
-                    log.warning("vLLM's /health answers again; watchdog pings resumed")
+            if ok != failing:
+                continue
+            failing = not ok  # log transitions only
+            if failing:
+                log.error("vLLM's /health failed; withholding the watchdog ping")
+            else:
+                log.warning("vLLM's /health answers again; watchdog pings resumed")
 
 
 def run(args: argparse.Namespace, key: SigningKey | None, token: str | None) -> int:
