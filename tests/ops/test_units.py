@@ -109,7 +109,8 @@ def test_a_vllm_node_runs_vllm_from_its_venv_in_the_same_hardened_unit(inference
     # The same credentials, readiness, watchdog and sandbox as the built-in engine's unit.
     builtin, vllm = unit_sections(inference_unit)["Service"], unit_sections(unit)["Service"]
     assert str(args.token_file) == "%d/token" and str(args.key_file) == "%d/signing-key"
-    same = {k: v for k, v in builtin.items() if k not in ("ExecStart", "Environment")}
+    same = {k: v for k, v in builtin.items() if k not in ("ExecStart", "Environment", "Restart")}
+    assert vllm["Restart"] == "always"  # it exits 0 when its engine process died
     assert {k: vllm[k] for k in same} == same
     assert vllm["CacheDirectory"] == "shardstack-inference"  # ProtectSystem=strict: its caches go there
 

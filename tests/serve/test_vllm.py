@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import os
 import shutil
+import signal
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -103,6 +104,20 @@ def test_vllm_serves_the_verified_copy_tells_systemd_and_keeps_the_token_out_of_
     assert '"GET /health' not in log  # the checks and scrapes are not logged; requests are
     assert '"POST /v1/completions HTTP/1.1" 200' in log
     assert TOKEN not in Path(f"/proc/{svc.proc.pid}/cmdline").read_text()
+
+
+def test_when_vllms_engine_process_dies_the_server_exits_and_the_watchdog_pings_stop(vllm_svc) -> None:
+    """The unit restarts it (Restart=always: vLLM exits 0 after its engine died)."""
+    svc, _ = vllm_svc
+    children = [int(p) for p in Path(f"/proc/{svc.proc.pid}/task/{svc.proc.pid}/children").read_text().split()]
+    # Its process title is VLLM::EngineCore; comm keeps 15 characters of it.
+    engine = next(p for p in children if Path(f"/proc/{p}/comm").read_text().startswith("VLLM::EngineCor"))
+    os.kill(engine, signal.SIGKILL)
+    killed = time.monotonic()
+    svc.proc.wait(60)
+    svc.notify.poll(0.5)
+    assert svc.notify.count("WATCHDOG", since=killed + 2) == 0
+    assert "EngineDeadError" in svc.log() or "engine core exited unexpectedly" in svc.log()
 
 
 def test_a_tampered_export_is_refused_with_one_line_before_vllm_starts(bpe_model_dir: Path, signing_key_file: Path,
