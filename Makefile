@@ -139,6 +139,11 @@ bench-serve_vs_transformers: setup
 	$(BIN)/python -c 'import flask, gunicorn, transformers' 2>/dev/null || $(BIN)/pip install -q -e ".[$(EXTRAS),bench]"
 	$(BIN)/python bench/serve_vs_transformers.py $(ARGS)
 
+# The built-in engine, vLLM and the Flask recipe on one model: the vLLM venv and the `bench` extra first.
+bench-serve_engines: setup vllm-venv
+	$(BIN)/python -c 'import flask, gunicorn, transformers' 2>/dev/null || $(BIN)/pip install -q -e ".[$(EXTRAS),bench]"
+	$(BIN)/python bench/serve_engines.py $(ARGS)
+
 bench-%: setup
 	$(BIN)/python bench/$*.py $(ARGS)
 
