@@ -12,6 +12,7 @@ import logging
 import sys
 
 from shardstack import __version__
+from shardstack.cli.inventory import resolve_inventory
 from shardstack.errors import ShardstackError
 
 # (sub-command name, module that registers it, one-line help)
@@ -66,6 +67,7 @@ def main(argv: list[str] | None = None) -> int:
         parser.print_help()
         return 2
     try:
+        resolve_inventory(args)
         return int(args.func(args) or 0)
     except ShardstackError as exc:
         print(f"shardstack: error: {exc}", file=sys.stderr)

@@ -7,7 +7,7 @@ import json
 
 from rich.table import Table
 
-from shardstack.cli.deploy import add_inventory_arg
+from shardstack.cli.inventory import add_inventory_arg
 from shardstack.cli.output import EXIT_FAILED_HOSTS, EXIT_OK, LiveProgress, console
 from shardstack.ops import lifecycle
 

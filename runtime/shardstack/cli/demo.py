@@ -11,7 +11,8 @@ from rich.table import Table
 
 from shardstack.build import pretrained
 from shardstack.build.wheelhouse import build
-from shardstack.cli.deploy import DEFAULT_INVENTORY, run_and_report, validate_tables
+from shardstack.cli.deploy import run_and_report, validate_tables
+from shardstack.cli.inventory import LAB_INVENTORY
 from shardstack.cli.output import EXIT_FAILED_HOSTS, EXIT_OK, LiveProgress, Progress, console, summary_table
 from shardstack.errors import ShardstackError
 from shardstack.lab import lab
@@ -32,7 +33,7 @@ def register(sub: argparse._SubParsersAction) -> None:
 
 def _demo(args: argparse.Namespace) -> int:
     phases: list[tuple[str, float]] = []
-    inventory = DEFAULT_INVENTORY
+    inventory = LAB_INVENTORY  # the lab this command brings up writes it here
 
     def phase(name: str, started: float) -> None:
         phases.append((name, time.monotonic() - started))

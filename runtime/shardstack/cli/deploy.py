@@ -8,18 +8,16 @@ from __future__ import annotations
 
 import argparse
 import json
-from pathlib import Path
 from typing import Any
 
 from rich.table import Table
 
+from shardstack.cli.inventory import add_inventory_arg
 from shardstack.cli.output import EXIT_FAILED_HOSTS, EXIT_OK, LiveProgress, console, summary_table
 from shardstack.errors import ShardstackError
 from shardstack.ops.cluster import check_inventory
 from shardstack.ops.runner import RunResult, run_playbook
 from shardstack.ops.validate import node_facts, run_validate
-
-DEFAULT_INVENTORY = Path("inventory/lab/hosts.yml")
 
 
 def register(sub: argparse._SubParsersAction) -> None:
@@ -35,11 +33,6 @@ def register(sub: argparse._SubParsersAction) -> None:
     add_run_args(v, tags=False)
     v.add_argument("--allreduce-mb", type=float, default=16.0, help="all-reduce tensor size (MiB, default 16)")
     v.set_defaults(func=_validate)
-
-
-def add_inventory_arg(p: argparse.ArgumentParser) -> None:
-    p.add_argument("-i", "--inventory", type=Path, default=DEFAULT_INVENTORY,
-                   help=f"inventory file or directory (default {DEFAULT_INVENTORY})")
 
 
 def add_run_args(p: argparse.ArgumentParser, *, tags: bool = True) -> None:

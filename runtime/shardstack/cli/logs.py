@@ -9,7 +9,7 @@ import sys
 from rich.markup import escape
 from rich.table import Table
 
-from shardstack.cli.deploy import add_inventory_arg
+from shardstack.cli.inventory import add_inventory_arg
 from shardstack.cli.output import EXIT_OK, console
 from shardstack.ops import logs as logs_ops
 

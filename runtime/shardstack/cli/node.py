@@ -6,7 +6,7 @@ import argparse
 import json
 from dataclasses import asdict
 
-from shardstack.cli.deploy import add_inventory_arg
+from shardstack.cli.inventory import add_inventory_arg
 from shardstack.cli.output import console
 from shardstack.ops import cluster
 from shardstack.ops import cordon as cordon_ops

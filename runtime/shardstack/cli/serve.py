@@ -11,7 +11,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 from shardstack.cli.checkpoint import key_args, load_key
-from shardstack.cli.deploy import add_inventory_arg
+from shardstack.cli.inventory import add_inventory_arg
 from shardstack.cli.output import EXIT_FAILED_HOSTS, EXIT_OK, LiveProgress, console, summary_table
 from shardstack.errors import ShardstackError
 from shardstack.model.artifact import check_model_dir

@@ -9,7 +9,7 @@ import time
 from rich.live import Live
 from rich.table import Table
 
-from shardstack.cli.deploy import add_inventory_arg
+from shardstack.cli.inventory import add_inventory_arg
 from shardstack.cli.output import console
 from shardstack.ops import cluster, cordon
 from shardstack.ops import status as status_ops

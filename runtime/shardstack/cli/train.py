@@ -11,7 +11,7 @@ from pathlib import Path
 
 from rich.table import Table
 
-from shardstack.cli.deploy import add_inventory_arg
+from shardstack.cli.inventory import add_inventory_arg
 from shardstack.cli.output import EXIT_FAILED_HOSTS, EXIT_OK, LiveProgress, console, summary_table
 from shardstack.errors import ShardstackError
 from shardstack.ops import train as train_ops
