@@ -68,3 +68,22 @@ def test_shardstack_inventory_wins_over_the_lab(tmp_path: Path) -> None:
 def test_help_says_where_the_default_inventory_comes_from() -> None:
     out = " ".join(shardstack("status", "--help").stdout.split())
     assert "$SHARDSTACK_INVENTORY when set, else inventory/lab/hosts.yml when it exists" in out
+
+
+# 2. -e @FILE (what arrives, literally: tests/ops/test_template_injection.py) ---------------------------------------
+
+@pytest.mark.parametrize("content, needle", [
+    (None, "cannot read extra-vars file"),
+    ("[1, 2]\n", "must hold a mapping"),
+    ("a: [unclosed\n", "is not YAML or JSON"),
+    ('{"not a name": 1}', "is not an identifier"),
+    ("when: 2024-01-31\n", "quote dates"),
+])
+def test_bad_extra_vars_files_are_usage_errors(content: str | None, needle: str, tmp_path: Path) -> None:
+    file = tmp_path / "vars.yml"
+    if content is not None:
+        file.write_text(content)
+    inv = _local_inventory(tmp_path / "hosts.yml", train_nodes=["h1"])
+    proc = shardstack("deploy", "-i", str(inv), "-e", f"@{file}")
+    assert proc.returncode == 2 and needle in proc.stderr, proc.stderr
+    assert "Traceback" not in proc.stderr

@@ -15,7 +15,9 @@ from typing import Any
 
 import pytest
 import yaml
+from shardstack.cli import build_parser
 from shardstack.cli import main as cli_main
+from shardstack.cli.deploy import run_and_report
 from shardstack.errors import ShardstackError
 from shardstack.ops import train as train_ops
 from shardstack.ops.runner import run_command, run_module, run_playbook, state_dir
@@ -88,6 +90,32 @@ def test_a_job_config_reaches_the_play_literally(tmp_path: Path, markers: list[P
     assert arrived["extra"] == extra  # types as sent: "0755" and "true" stay strings, 3 and True do not
     # The job's file as the role writes it: plain YAML (no !unsafe tags) the trainer reads back unchanged.
     assert yaml.safe_load((sink / "inj.yaml").read_text()) == config
+
+
+@pytest.mark.parametrize("fmt, override", [("yaml", False), ("json", False), ("yaml", True)])
+def test_extra_vars_files_and_pairs_reach_the_play_literally(fmt: str, override: bool, tmp_path: Path,
+                                                             markers: list[Path],
+                                                             capsys: pytest.CaptureFixture) -> None:
+    """`-e @FILE` (YAML or JSON) and `-e KEY=VALUE` as the CLI parses them, run the way `deploy` runs site.yml:
+    every string, however deep in the file, arrives as sent; later -e win, as in Ansible."""
+    markers += [tmp_path / "m1", tmp_path / "m2", tmp_path / "m3", tmp_path / "m4"]
+    sink = tmp_path / "sink"
+    sink.mkdir()
+    extra = {"mode": "0755", "flag": "true", "n": 3, "on": True, "none": None, "list": [_pipe(markers[2]), 1.5]}
+    config = {"data": {"path": f"/srv/x/{_pipe(markers[0])}", "tokenizer": _statement(markers[1])}}
+    values = {"train_job_name": "fromfile", "sink_dir": str(sink), "sink_extra": extra, "train_job_config": config}
+    file = tmp_path / f"vars.{fmt}"
+    file.write_text(yaml.safe_dump(values) if fmt == "yaml" else json.dumps(values))
+    argv = ["deploy", "-i", str(_inventory(tmp_path)), "--json", "-e", f"@{file}", "-e", "train_job_name=later"]
+    if override:
+        argv += ["-e", f"sink_extra={_pipe(markers[3])}"]
+    res = run_and_report(SINK, build_parser(argv).parse_args(argv), "extra vars")
+    assert res.success, res.hosts
+    arrived = res.data["sink"]
+    assert arrived["config"] == values["train_job_config"]
+    assert arrived["extra"] == (_pipe(markers[3]) if override else extra)  # types as in the file
+    assert (sink / "later.yaml").is_file() and not (sink / "fromfile.yaml").exists()
+    assert json.loads(capsys.readouterr().out)["success"] is True
 
 
 def test_the_same_payload_passed_plainly_does_run(tmp_path: Path) -> None:

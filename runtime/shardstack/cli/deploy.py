@@ -8,14 +8,17 @@ from __future__ import annotations
 
 import argparse
 import json
+from pathlib import Path
 from typing import Any
 
+import yaml
 from rich.table import Table
 
 from shardstack.cli.inventory import add_inventory_arg
 from shardstack.cli.output import EXIT_FAILED_HOSTS, EXIT_OK, LiveProgress, console, summary_table
 from shardstack.errors import ShardstackError
 from shardstack.ops.cluster import check_inventory
+from shardstack.ops.production import unset_production_variables, warning_lines
 from shardstack.ops.runner import RunResult, run_playbook
 from shardstack.ops.validate import node_facts, run_validate
 
@@ -42,18 +45,42 @@ def add_run_args(p: argparse.ArgumentParser, *, tags: bool = True) -> None:
         p.add_argument("--skip-tags", help="skip these tags")
         p.add_argument("--check", action="store_true", help="dry run: report what would change")
     p.add_argument("--limit", help="only these hosts or groups")
-    p.add_argument("-e", "--extra-vars", action="append", default=[], metavar="KEY=VALUE",
-                   help="extra variable (repeatable), a literal value, never a template, e.g. "
-                        "-e training_runtime_wheelhouse_src=/path")
+    p.add_argument("-e", "--extra-vars", action="append", default=[], metavar="KEY=VALUE|@FILE",
+                   help="extra variables (repeatable, later ones win): KEY=VALUE, or @FILE, a YAML or JSON mapping; "
+                        "values are literal data, never templates, e.g. -e training_runtime_wheelhouse_src=/path")
     p.add_argument("--json", action="store_true", help="print the result as JSON on stdout")
 
 
-def parse_extra_vars(pairs: list[str]) -> dict[str, str]:
-    out = {}
+def _extra_vars_file(path: Path) -> dict[str, Any]:
+    """A -e @FILE: a YAML (or JSON, which YAML reads) mapping. safe_load builds plain data, no tags run; every string
+    in it then goes through run_playbook's `inert` like a KEY=VALUE value, so Jinja in it is never evaluated."""
+    try:
+        data = yaml.safe_load(path.read_text())
+    except OSError as exc:
+        raise ShardstackError(f"cannot read extra-vars file {path}: {exc.strerror}") from None
+    except yaml.YAMLError as exc:
+        raise ShardstackError(f"extra-vars file {path} is not YAML or JSON: {str(exc).splitlines()[0]}") from None
+    if not isinstance(data, dict):
+        raise ShardstackError(f"extra-vars file {path} must hold a mapping of variable names to values")
+    for key in data:
+        if not isinstance(key, str) or not key.isidentifier():
+            raise ShardstackError(f"extra-vars file {path}: variable name {key!r} is not an identifier")
+    try:  # JSON's types only: YAML's dates, sets or binary have no literal form for Ansible
+        json.dumps(data)
+    except (TypeError, ValueError) as exc:
+        raise ShardstackError(f"extra-vars file {path}: {exc}", hint="quote dates and times as strings") from None
+    return data
+
+
+def parse_extra_vars(pairs: list[str]) -> dict[str, Any]:
+    out: dict[str, Any] = {}
     for pair in pairs:
+        if pair.startswith("@"):
+            out.update(_extra_vars_file(Path(pair[1:])))
+            continue
         key, sep, value = pair.partition("=")
         if not sep or not key.isidentifier():
-            raise ShardstackError(f"extra variable {pair!r} is not KEY=VALUE")
+            raise ShardstackError(f"extra variable {pair!r} is not KEY=VALUE or @FILE")
         out[key] = value
     return out
 
@@ -81,7 +108,15 @@ def _check(args: argparse.Namespace) -> int:
     problems = check_inventory(args.inventory)
     for p in problems:
         console.print(f"[red]inventory:[/] {p}", highlight=False)
-    result = run_and_report("playbooks/preflight.yml", args, "check (preflight)")
+    unset = unset_production_variables(args.inventory)  # warnings only: the exit code stays the preflight's
+    if args.json:
+        result = run_playbook("playbooks/preflight.yml", args.inventory, limit=args.limit,
+                              extravars=parse_extra_vars(args.extra_vars))
+        print(json.dumps({**result.to_dict(), "warnings": [u.to_dict() for u in unset]}, indent=2))
+    else:
+        result = run_and_report("playbooks/preflight.yml", args, "check (preflight)")
+        for line in warning_lines(unset):
+            console.print(f"[yellow]warning:[/] {line}", highlight=False, markup=True)
     return EXIT_OK if result.success and not problems else EXIT_FAILED_HOSTS
 
 
