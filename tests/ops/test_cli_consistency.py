@@ -87,3 +87,37 @@ def test_bad_extra_vars_files_are_usage_errors(content: str | None, needle: str,
     proc = shardstack("deploy", "-i", str(inv), "-e", f"@{file}")
     assert proc.returncode == 2 and needle in proc.stderr, proc.stderr
     assert "Traceback" not in proc.stderr
+
+
+# 3. Exit codes: 1 when a host failed or is unhealthy, 2 only for bad input ------------------------------------------
+# (status: tests/ops/test_status.py; a HAProxy refusal: tests/ops/test_cordon.py)
+
+def _with_a_down_node(path: Path, group: str) -> Path:
+    """h1 answers (local); h2 is DOWN: ssh to a closed port, refused at once."""
+    path.write_text(json.dumps({"all": {
+        "vars": {"ansible_python_interpreter": sys.executable, "shardstack_scheduler": "systemd"},
+        "children": {group: {"hosts": {
+            "h1": {"ansible_connection": "local"},
+            "h2": {"ansible_connection": "ssh", "ansible_host": "127.0.0.1", "ansible_port": 9,
+                   "ansible_ssh_common_args": "-o ConnectTimeout=3 -o BatchMode=yes"}}}},
+    }}))
+    return path
+
+
+def test_train_logs_exits_1_when_a_train_node_is_down(tmp_path: Path) -> None:
+    inv = _with_a_down_node(tmp_path / "hosts.yml", "train_nodes")
+    proc = shardstack("train", "logs", "job1", "-i", str(inv))
+    assert proc.returncode == 1, proc.stderr
+    assert "h1 | " in proc.stdout and "no journal from h2" in proc.stderr
+    doc = shardstack("train", "logs", "job1", "-i", str(inv), "--json")
+    assert doc.returncode == 1 and set(json.loads(doc.stdout)) == {"h1", "h2"}
+    up = _local_inventory(tmp_path / "up.yml", train_nodes=["h1"])
+    assert shardstack("train", "logs", "job1", "-i", str(up)).returncode == 0
+
+
+def test_logs_exits_1_when_the_collector_is_down(tmp_path: Path) -> None:
+    inv = _with_a_down_node(tmp_path / "hosts.yml", "monitoring_server")
+    proc = shardstack("logs", "--collector", "h2", "-i", str(inv), "--json")
+    assert proc.returncode == 1, proc.stderr
+    assert "journalctl on the log collector h2 failed" in proc.stderr and "Traceback" not in proc.stderr
+    assert shardstack("logs", "--since", "not a time", "-i", str(inv)).returncode == 2  # bad input: still 2

@@ -196,8 +196,29 @@ def test_haproxy_answers() -> None:
              ({"lb": CommandResult("lb", -1, unreachable=True, message="ssh: timeout")}, "ssh: timeout"),
              ({}, "no answer")]
     for answers, text in cases:
-        with pytest.raises(ShardstackError, match=text):
+        with pytest.raises(ShardstackError, match=text) as exc:
             cordon.check_haproxy_answers(answers, ["lb"], cmd)
+        assert exc.value.exit_code == 1  # a host failed; 2 is for bad input
+
+
+def test_a_haproxy_refusal_exits_1_and_changes_no_state(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                                       capsys: pytest.CaptureFixture) -> None:
+    """`shardstack node cordon` when HAProxy answers `No such server.`: one line, exit 1 (an operational failure,
+    as documented), not 2 (usage error); the state is not written."""
+    from shardstack.cli import main as cli_main
+
+    def refuse(argv: list[str], inventory: Path, pattern: str, **kwargs: object) -> dict[str, CommandResult]:
+        return {h: CommandResult(h, 0, "No such server.\n") for h in pattern.split(",")}
+
+    monkeypatch.setattr(cordon, "run_command", refuse)
+    inv = tmp_path / "inventory" / "hosts.ini"
+    inv.parent.mkdir()
+    inv.write_text("[inference_nodes]\ni1\n[loadbalancer]\nlb\n")
+    assert cli_main(["node", "cordon", "i1", "-i", str(inv)]) == 1
+    err = capsys.readouterr().err
+    assert "HAProxy refused `set server inference/i1 state drain`: lb: No such server." in err
+    assert "Traceback" not in err and not cordon.state_file(inv).exists()
+    assert cli_main(["node", "cordon", "nope", "-i", str(inv)]) == 2  # bad input stays a usage error
 
 
 def _playbook(inventory: Path, extra: dict, *more: str) -> subprocess.CompletedProcess[str]:

@@ -8,9 +8,11 @@ import json
 import threading
 import urllib.parse
 from collections.abc import Iterator
+from pathlib import Path
 
 import pytest
 from rich.console import Console
+from shardstack.cli import main as cli_main
 from shardstack.cli import status as status_cli
 from shardstack.ops import status as status_ops
 
@@ -204,3 +206,35 @@ def test_sources_from_the_inventory() -> None:
     inv = {"groups": {**GROUPS, "monitoring_server": []},
            "hostvars": {"lb": {"ansible_host": "10.0.0.5", "loadbalancer_metrics_port": 9405}}}
     assert status_ops.sources(inv) == (None, "http://10.0.0.5:9405/metrics")
+
+
+def _inventory(tmp_path: Path, server: str) -> Path:
+    """GROUPS with the monitoring server and the load balancer at the loopback server's address and port."""
+    port = int(server.rsplit(":", 1)[1])
+    inv = tmp_path / "hosts.yml"
+    inv.write_text(json.dumps({"all": {
+        "vars": {"prometheus_port": port, "loadbalancer_metrics_port": port},
+        "children": {g: {"hosts": {h: {"ansible_host": "127.0.0.1"} for h in hosts}} for g, hosts in GROUPS.items()},
+    }}))
+    return inv
+
+
+def test_status_exits_1_with_a_node_down_or_a_critical_alert(server: str, tmp_path: Path,
+                                                            capsys: pytest.CaptureFixture) -> None:
+    """The documented exit codes: 1 when Prometheus sees a node DOWN or a critical alert fires, in --json and the
+    table alike; 0 once both are gone (a node of unknown state and a non-critical alert do not count)."""
+    inv = str(_inventory(tmp_path, server))
+    assert cli_main(["status", "-i", inv, "--json"]) == 1
+    doc = json.loads(capsys.readouterr().out)
+    assert doc["problems"] == ["node i1 DOWN", "critical alert GPUHealthUncorrectableECC on t1"]
+    assert cli_main(["status", "-i", inv]) == 1
+    assert "unhealthy: node i1 DOWN" in capsys.readouterr().err
+    saved_up, saved_alerts = PROMETHEUS['up{job="node"}'], ALERTS["data"]["alerts"]
+    PROMETHEUS['up{job="node"}'] = _vector(({"job": "node", "node": "t1"}, "1"), ({"job": "node", "node": "i1"}, "1"))
+    ALERTS["data"]["alerts"] = [a for a in saved_alerts if a["labels"]["severity"] != "critical"]
+    try:
+        assert cli_main(["status", "-i", inv, "--json"]) == 0
+        assert json.loads(capsys.readouterr().out)["problems"] == []
+        assert cli_main(["status", "-i", inv]) == 0
+    finally:
+        PROMETHEUS['up{job="node"}'], ALERTS["data"]["alerts"] = saved_up, saved_alerts

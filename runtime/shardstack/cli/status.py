@@ -1,4 +1,5 @@
-"""`shardstack status [--json] [--watch [SECONDS]]`: the cluster in one table (docs/operations.md, "Status")."""
+"""`shardstack status [--json] [--watch [SECONDS]]`: the cluster in one table (docs/operations.md, "Status"); exit 1
+when a node is DOWN or a critical alert fires, so scripts and cron can act on it."""
 
 from __future__ import annotations
 
@@ -10,7 +11,7 @@ from rich.live import Live
 from rich.table import Table
 
 from shardstack.cli.inventory import add_inventory_arg
-from shardstack.cli.output import console
+from shardstack.cli.output import EXIT_FAILED_HOSTS, EXIT_OK, console
 from shardstack.ops import cluster, cordon
 from shardstack.ops import status as status_ops
 
@@ -75,11 +76,15 @@ def _status(args: argparse.Namespace) -> int:
         return status_ops.collect(inv["groups"], cordon.load(args.inventory), prometheus, haproxy)
 
     if args.json:
-        print(json.dumps(snapshot().to_dict(), indent=2))
-        return 0
+        st = snapshot()
+        print(json.dumps(st.to_dict(), indent=2))
+        return EXIT_FAILED_HOSTS if st.problems() else EXIT_OK
     if not args.watch:
-        console.print(table(snapshot()))
-        return 0
+        st = snapshot()
+        console.print(table(st))
+        for problem in st.problems():
+            console.print(f"[red]unhealthy:[/] {problem}", highlight=False)
+        return EXIT_FAILED_HOSTS if st.problems() else EXIT_OK
     with Live(table(snapshot()), console=console, auto_refresh=False) as live:
         while True:
             time.sleep(args.watch)

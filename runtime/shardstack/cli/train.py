@@ -148,12 +148,24 @@ def _stop(args: argparse.Namespace) -> int:
     return 0 if done and all(done.values()) else 1
 
 
+def _unanswered(text: str) -> bool:
+    """train_ops.logs gives a node that did not answer (down, unreachable, journalctl failed) as `(why)`; journalctl's
+    own output starts with a timestamp or `-- No entries --`."""
+    return text.startswith("(") and text.rstrip().endswith(")")
+
+
 def _logs(args: argparse.Namespace) -> int:
     out = train_ops.logs(args.name, args.inventory, args.lines)
+    failed = sorted(h for h, text in out.items() if _unanswered(text))
+    code = EXIT_FAILED_HOSTS if failed or not out else EXIT_OK
     if args.json:
         print(json.dumps(out, indent=2))
-        return 0
+        return code
     for host, text in out.items():
         for line in text.splitlines():
             sys.stdout.write(f"{host} | {line}\n")
-    return 0
+    if failed:
+        console.print(f"[red]no journal from[/] {', '.join(failed)}", highlight=False)
+    elif not out:
+        console.print("no train node answered", highlight=False)
+    return code

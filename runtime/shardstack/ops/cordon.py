@@ -120,9 +120,10 @@ def check_haproxy_answers(answers: dict[str, CommandResult], lbs: list[str], com
     bad.update({h: "no answer" for h in lbs if h not in answers})
     if bad:
         detail = "; ".join(f"{h}: {m}" for h, m in sorted(bad.items()))
+        # Exit 1 (the CLI's EXIT_FAILED_HOSTS): the command was fine, a host did not do it; 2 means bad input.
         raise ShardstackError(f"HAProxy refused `{command}`: {detail}",
                               hint="check the backend and server names (`show servers state` on the socket) and "
-                                   "that the load balancer is deployed")
+                                   "that the load balancer is deployed", exit_code=1)
 
 
 def metric_text(action: str) -> str:

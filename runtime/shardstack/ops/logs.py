@@ -168,9 +168,10 @@ def _query(argv: list[str], inventory: Path, host: str, node: str | None = None)
                               hint="--host takes a node's inventory name")
     # journalctl exits 1 when --grep matched nothing; that is an empty answer, not an error.
     if res.unreachable or (res.rc not in (0, 1)) or (res.rc == 1 and res.stderr.strip()):
+        # Exit 1 (the CLI's EXIT_FAILED_HOSTS): a host failed (down, or no journal store), not the user's input.
         raise ShardstackError(f"journalctl on the log collector {name} failed: "
                               f"{(res.stderr or res.message or '').strip()[:300]}",
-                              hint="is the journal role deployed there? (shardstack deploy --tags logs)")
+                              hint="is the journal role deployed there? (shardstack deploy --tags logs)", exit_code=1)
     entries = parse_output(res.stdout)
     if node is not None:
         for entry in entries:

@@ -45,8 +45,15 @@ class Status:
     alerts: list[dict[str, str]] = field(default_factory=list)
     notes: list[str] = field(default_factory=list)
 
+    def problems(self) -> list[str]:
+        """What makes `shardstack status` exit 1: nodes Prometheus sees DOWN and critical alerts firing. A node of
+        unknown state (no Prometheus) is not counted: the notes say why it is unknown."""
+        down = [f"node {n['node']} DOWN" for n in self.nodes if n["up"] is False]
+        return down + [f"critical alert {a['name']}" + (f" on {a['node']}" if a["node"] else "")
+                       for a in self.alerts if a["severity"] == "critical"]
+
     def to_dict(self) -> dict[str, Any]:
-        return asdict(self)
+        return {**asdict(self), "problems": self.problems()}
 
 
 def sources(inv: dict[str, Any]) -> tuple[str | None, str | None]:
