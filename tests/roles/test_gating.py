@@ -188,7 +188,45 @@ def test_nvidia_reboot_decision_on_recorded_states(
         # Not allowed (the default): the node is failed with the commands that finish the job.
         assert r["nvidia_driver_reboot_allowed"] is False
         assert r["__nvidia_driver_reboot_command"].startswith(
-            "reboot gpu07, then run `shardstack deploy --limit gpu07`")
+            "run `shardstack node drain gpu07` (its training jobs stop at a checkpoint); reboot gpu07; "
+            "run `shardstack deploy --limit gpu07`")
+
+
+# The hint a node that needs a reboot fails with, per scheduler. With Slurm a plain `deploy --limit` is refused by
+# the scheduler stage (slurm.conf needs every Slurm host in the play), so the hint drains the node in Slurm (by
+# its Slurm name, the short hostname), skips that stage for the node's own deploy and resumes the node after.
+@pytest.mark.parametrize("scheduler", ["systemd", "slurm"])
+def test_nvidia_reboot_hint_fits_the_scheduler(
+    role_eval: Any, hardware: Any, debian_container: dict, scheduler: str
+) -> None:
+    r = role_eval(
+        "nvidia_driver",
+        {**_bare_metal(debian_container), "hostname": "gpu07"},
+        inventory_hostname="gpu07.dc1",
+        shardstack_scheduler=scheduler,
+        shardstack_hardware=hardware(pci=(GPU,)),
+        __nvidia_driver_module_version=_module("550.163.01"),
+        nvidia_driver_installed_version="580.65.06",
+        __nvidia_driver_nouveau={"stat": {"exists": False}},
+    )
+    assert r["__nvidia_driver_reboot_needed"] is True
+    hint = r["__nvidia_driver_reboot_command"]
+    steps = [step.strip() for step in hint.split(";")]
+    if scheduler == "systemd":
+        assert steps[0].startswith("run `shardstack node drain gpu07.dc1`")
+        assert "reboot gpu07.dc1" in steps
+        assert steps[2].startswith("run `shardstack deploy --limit gpu07.dc1` ")
+        assert steps[3] == "then `shardstack node uncordon gpu07.dc1`"
+        assert "scontrol" not in hint and "--skip-tags" not in hint
+    else:
+        assert "`scontrol update NodeName=gpu07 State=DRAIN Reason=nvidia-driver-reboot`" in steps[0]
+        assert "`sinfo -h -n gpu07 -o %T` says drained" in steps[0]
+        assert "reboot gpu07.dc1" in steps
+        assert "run `shardstack deploy --limit gpu07.dc1 --skip-tags scheduler`" in hint
+        assert "`shardstack deploy --limit gpu07.dc1`" not in hint  # the refused form is never offered
+        assert "then `scontrol update NodeName=gpu07 State=RESUME`" in steps
+        assert "shardstack node drain" not in hint  # it does not set the Slurm state
+    assert steps[-1] == "or set nvidia_driver_reboot_allowed=true to let the play reboot it"
 
 
 @pytest.mark.parametrize(("container", "loaded"), [(True, ""), (False, "580.65.06")])
