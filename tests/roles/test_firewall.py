@@ -76,8 +76,8 @@ def test_defaults_resolve_the_sample_inventory(role_eval: Any, debian_container:
     assert "alertmanager cluster/tcp" not in ops01
     store01 = _rules(role_eval, debian_container, "store01")
     assert store01["nfs/tcp"]["ports"] == ["2049"]
-    assert store01["nfs/tcp"]["ipv4"] == ["192.0.2.11", "192.0.2.12", "192.0.2.13", "192.0.2.14",
-                                          "192.0.2.21", "192.0.2.31"]
+    # ... from the hosts that mount it: not ops01, the load balancer and monitoring host.
+    assert store01["nfs/tcp"]["ipv4"] == ["192.0.2.11", "192.0.2.12", "192.0.2.13", "192.0.2.14", "192.0.2.21"]
 
 
 def test_a_changed_port_moves_its_rule(role_eval: Any, debian_container: dict) -> None:
@@ -232,7 +232,8 @@ def test_every_cluster_flow_is_admitted(role_eval: Any, debian_container: dict) 
     flows += [(lb, b, 8000, "haproxy to a backend") for lb in GROUPS["loadbalancer"] for b in GROUPS["inference_nodes"]]
     flows += [(a, b, p, "training") for a in GROUPS["train_nodes"] for b in GROUPS["train_nodes"] if a != b
               for p in (29400, 29401, 40123)]
-    flows += [(h, s, 2049, "nfs") for h in HOSTVARS for s in GROUPS["storage_server"] if h != s]
+    mounts = {h for g in ("storage_server", "train_nodes", "inference_nodes") for h in GROUPS[g]}
+    flows += [(h, s, 2049, "nfs") for h in mounts for s in GROUPS["storage_server"] if h != s]
     controller = CONTROLLER.split()[0]
     flows += [(controller, h, 22, "ssh") for h in HOSTVARS]
     flows += [(controller, h, 8000, "verify /health") for h in GROUPS["inference_nodes"]]
@@ -246,6 +247,8 @@ def test_every_cluster_flow_is_admitted(role_eval: Any, debian_container: dict) 
     assert plan.admits(rules["gpu03"], addr["gpu01"], 8000) == []
     assert plan.admits(rules["gpu01"], controller, 9100) == []
     assert plan.admits(rules["gpu03"], addr["gpu04"], 9100) == []
+    # ... and the load balancer / monitoring host, which mounts nothing, reaching the export.
+    assert plan.admits(rules["store01"], addr["ops01"], 2049) == []
 
 
 def test_preflight_knows_the_firewall_variables() -> None:
@@ -362,6 +365,33 @@ def test_ruleset_applied_in_a_namespace_admits_the_plan_and_drops_the_rest(
     assert table.count("chain input") == 1
     dropped = re.search(r'counter packets (\d+) bytes \d+ comment "dropped"', table)
     assert dropped and int(dropped[1]) >= 3, table
+
+
+def test_nfs_in_a_namespace_reaches_the_storage_server_only_from_the_hosts_that_mount(
+        netns: dict[str, str], role_eval: Any, debian_container: dict, tmp_path: Path) -> None:
+    """Least privilege on the wire: the storage server's ruleset admits 2049 from a train node and drops it from the
+    load balancer / monitoring host (which mounts nothing), with the NFS backend's rule enabled."""
+    groups = {"all": list(NETNS_HOSTS), "storage_server": ["srv"], "train_nodes": ["peer"], "inference_nodes": [],
+              "monitoring_server": ["mon"], "loadbalancer": ["mon"]}
+    hostvars = {h: {"ansible_host": a} for h, a in NETNS_HOSTS.items()}
+    ev = role_eval("firewall", debian_container, inventory_hostname="srv", groups=groups, hostvars=hostvars,
+                   shared_storage_backend="nfs", firewall_admin_networks=["192.0.2.1"],
+                   __firewall_ssh_client={"stdout": ""})
+    rules = tmp_path / "shardstack.nft"
+    rules.write_text(ev.render("shardstack.nft.j2"))
+    srv = netns["srv"]
+    proc = subprocess.run(["ip", "netns", "exec", srv, "nft", "-f", str(rules)], capture_output=True, text=True)
+    assert proc.returncode == 0, proc.stderr
+    listener = subprocess.Popen(["ip", "netns", "exec", srv, sys.executable, "-c", LISTEN, "2049"],
+                                stdout=subprocess.PIPE, text=True)
+    try:
+        assert listener.stdout and listener.stdout.readline().strip() == "listening"
+        got = {"train node": _connect(netns["peer"], "10.250.2.1", 2049),
+               "load balancer and monitoring": _connect(netns["mon"], NETNS_HOSTS["srv"], 2049)}
+    finally:
+        listener.kill()
+        listener.wait()
+    assert got == {"train node": "open", "load balancer and monitoring": "dropped"}
 
 
 def test_slurm_ports_open_only_with_slurm_as_the_scheduler(role_eval: Any, debian_container: dict) -> None:

@@ -58,21 +58,49 @@ def _storage(role_eval: Any, facts: dict, **kw: Any) -> Any:
         "store01": {"ansible_host": "192.0.2.21"},
         "gpu01": {"ansible_host": "192.0.2.11"},
         "gpu02": {},
+        "infer01": {"ansible_host": "192.0.2.31"},
+        "lb01": {"ansible_host": "192.0.2.41"},
+        "mon01": {"ansible_host": "192.0.2.51"},
     }
-    groups = {"all": ["store01", "gpu01", "gpu02"], "storage_server": ["store01"]}
+    groups = {"all": list(hostvars), "storage_server": ["store01"], "train_nodes": ["gpu01", "gpu02"],
+              "inference_nodes": ["gpu02", "infer01"], "loadbalancer": ["lb01"], "monitoring_server": ["mon01"]}
     return role_eval("shared_storage", facts, groups=groups, hostvars=hostvars, **kw)
 
 
-def test_nfs_exports_list_every_inventory_host(role_eval: Any, debian_container: dict) -> None:
+def test_nfs_exports_list_only_the_hosts_that_mount(role_eval: Any, debian_container: dict) -> None:
+    """Least privilege: storage and train hosts read-write, an inference-only host read-only (one also training keeps
+    read-write), the load balancer and monitoring hosts not at all."""
     r = _storage(role_eval, debian_container, inventory_hostname="store01")
     line = _lines(r.render("exports.j2"))
-    opts = "(rw,sync,no_subtree_check,root_squash)"
-    assert line == [f"/srv/nfs/shardstack 192.0.2.11{opts} 192.0.2.21{opts} gpu02{opts}"]
+    opts = "sync,no_subtree_check,root_squash"
+    assert line == [f"/srv/nfs/shardstack 192.0.2.11(rw,{opts}) 192.0.2.21(rw,{opts}) gpu02(rw,{opts})"
+                    f" 192.0.2.31(ro,{opts})"]
+    assert "192.0.2.41" not in line[0] and "192.0.2.51" not in line[0]
 
 
 def test_nfs_exports_explicit_networks(role_eval: Any, debian_container: dict) -> None:
-    r = _storage(role_eval, debian_container, shared_storage_nfs_export_clients=["10.1.0.0/16"])
-    assert _lines(r.render("exports.j2")) == ["/srv/nfs/shardstack 10.1.0.0/16(rw,sync,no_subtree_check,root_squash)"]
+    r = _storage(role_eval, debian_container, shared_storage_nfs_export_clients=["10.1.0.0/16"],
+                 shared_storage_nfs_export_ro_clients=["10.2.0.0/16", "10.1.0.0/16"])
+    assert _lines(r.render("exports.j2")) == [
+        "/srv/nfs/shardstack 10.1.0.0/16(rw,sync,no_subtree_check,root_squash) 10.2.0.0/16(ro,sync,no_subtree_check,root_squash)"]
+
+
+@pytest.mark.parametrize(("host", "member", "read_only"), [
+    ("store01", True, False), ("gpu01", True, False), ("gpu02", True, False), ("infer01", True, True),
+    ("lb01", False, False), ("mon01", False, False)])
+def test_who_mounts_and_how(role_eval: Any, debian_container: dict, host: str, member: bool, read_only: bool) -> None:
+    r = _storage(role_eval, debian_container, inventory_hostname=host)
+    assert (r["__shared_storage_member"], r["__shared_storage_read_only"]) == (member, read_only)
+    if not member:
+        assert r["__shared_storage_reason"].startswith(f"no mount: {host} is in none of")
+
+
+def test_read_only_mount_units(role_eval: Any, debian_container: dict) -> None:
+    nfs = _lines(_storage(role_eval, debian_container, inventory_hostname="infer01").render("shared.mount.j2"))
+    assert "Options=ro,vers=4.2,hard,noatime,nconnect=8,rsize=1048576,wsize=1048576" in nfs
+    bind = _lines(_storage(role_eval, debian_container, inventory_hostname="infer01", shared_storage_backend="bind",
+                           shared_storage_bind_source="/mnt/lab-shared").render("shared.mount.j2"))
+    assert "Options=bind,ro" in bind
 
 
 def test_nfs_mount_unit(role_eval: Any, debian_container: dict) -> None:
@@ -121,11 +149,28 @@ def test_sysctl_extra_overrides(role_eval: Any, debian_container: dict) -> None:
 
 
 def test_limits_and_systemd_memlock(role_eval: Any, debian_container: dict) -> None:
-    r = role_eval("os_baseline", debian_container)
+    r = role_eval("os_baseline", debian_container, groups={"all": ["n1"], "train_nodes": ["n1"]},
+                  inventory_hostname="n1")
     assert "shardstack hard nproc 65536" in r.render("limits.conf.j2")
     assert "DefaultLimitMEMLOCK=infinity" in r.render("systemd-limits.conf.j2")
     limited = role_eval("os_baseline", debian_container, os_baseline_limits_memlock="64G")
     assert "DefaultLimitMEMLOCK=64G" in limited.render("systemd-limits.conf.j2")
+
+
+@pytest.mark.parametrize(("groups", "account"), [
+    (["train_nodes"], True), (["inference_nodes"], True), (["storage_server"], True), (["slurm_controller"], True),
+    (["loadbalancer"], False), (["monitoring_server"], False), (["loadbalancer", "monitoring_server"], False)])
+def test_the_job_account_only_where_jobs_run(role_eval: Any, debian_container: dict, groups: list[str],
+                                             account: bool) -> None:
+    """A load balancer or monitoring host gets no service account, none of its directories, no limits for it."""
+    r = role_eval("os_baseline", debian_container, inventory_hostname="n1",
+                  groups={"all": ["n1", "n2"], **{g: ["n1"] for g in groups}, "train_nodes": ["n2"] + (
+                      ["n1"] if "train_nodes" in groups else [])})
+    assert r["__os_baseline_service_account"] is account
+    paths = [d["path"] for d in r["__os_baseline_directories"]]
+    assert paths == (["/etc/shardstack", "/opt/shardstack", "/var/lib/shardstack"] if account else ["/opt/shardstack"])
+    assert ("shardstack hard nproc" in r.render("limits.conf.j2")) is account
+    assert "hard memlock unlimited" in r.render("limits.conf.j2")
 
 
 def test_nvidia_apt_pin_distro_keeps_nvidias_repository_out(role_eval: Any, debian_container: dict) -> None:

@@ -44,7 +44,8 @@ def _prune(args: argparse.Namespace) -> int:
     if args.json:
         print(json.dumps(plan.to_dict(), indent=2))
         return code
-    gone = plan.deletions
+    # Applied: only what really went (a path the owner may not delete is an error, listed below the table).
+    gone = plan.deletions if plan.dry_run else [i for i in plan.deletions if i.path in plan.deleted]
     verb = "would delete" if plan.dry_run else "deleted"
     title = (f"{plan.shared_dir}: {verb} {len(gone)} item(s), {human(sum(i.bytes for i in gone))} "
              f"(keep {plan.keep_exports} exports, nothing younger than {plan.older_than_days:g} days)")
@@ -53,7 +54,8 @@ def _prune(args: argparse.Namespace) -> int:
         table.add_column(col, overflow="fold")
     for item in plan.items:
         if item.action == "delete" or args.all:
-            action = ("would delete" if plan.dry_run else "deleted") if item.action == "delete" else "keep"
+            action = ("keep" if item.action != "delete" else "would delete" if plan.dry_run
+                      else "deleted" if item.path in plan.deleted else "not deleted")
             table.add_row(action, item.kind, item.path, human(item.bytes), f"{item.age_days:g}", item.reason)
     console.print(table)
     for err in plan.errors:
