@@ -4,8 +4,10 @@ The real CLI in a subprocess (or `main([...])`), on local hosts or a loopback se
 
 from __future__ import annotations
 
+import argparse
 import json
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -121,3 +123,81 @@ def test_logs_exits_1_when_the_collector_is_down(tmp_path: Path) -> None:
     assert proc.returncode == 1, proc.stderr
     assert "journalctl on the log collector h2 failed" in proc.stderr and "Traceback" not in proc.stderr
     assert shardstack("logs", "--since", "not a time", "-i", str(inv)).returncode == 2  # bad input: still 2
+
+
+# 4. --json on every command that reports -------------------------------------------------------------------------
+
+# What prints no report of its own: the inference server, and a command run inside a lab node (its output is the
+# command's).
+NO_REPORT = {("serve",), ("lab", "exec")}
+
+
+def _leaf_parsers() -> dict[tuple[str, ...], argparse.ArgumentParser]:
+    from shardstack.cli import _COMMAND_MODULES, build_parser
+
+    leaves: dict[tuple[str, ...], argparse.ArgumentParser] = {}
+
+    def walk(path: tuple[str, ...], parser: argparse.ArgumentParser) -> None:
+        subs = [a for a in parser._actions if isinstance(a, argparse._SubParsersAction)]
+        if path and (not subs or not subs[0].required):  # runnable as it is (serve: with or without rollout)
+            leaves[path] = parser
+        for sub in subs:
+            for name, child in sub.choices.items():
+                walk((*path, name), child)
+
+    for name, _module, _help in _COMMAND_MODULES:
+        top = build_parser([name])
+        sub = next(a for a in top._actions if isinstance(a, argparse._SubParsersAction))
+        walk((name,), sub.choices[name])
+    return leaves
+
+
+def test_every_command_that_reports_takes_json() -> None:
+    leaves = _leaf_parsers()
+    assert ("train", "run") in leaves and ("lab", "up") in leaves and ("serve", "rollout") in leaves
+    missing = [" ".join(p) for p, parser in leaves.items()
+               if p not in NO_REPORT and "--json" not in parser._option_string_actions]
+    assert missing == []
+    assert all("--json" not in leaves[p]._option_string_actions for p in NO_REPORT)
+
+
+def test_docs_claim_json_only_for_commands_that_have_it() -> None:
+    """Every `shardstack …` command line in README.md and docs/ that shows --json names a command that has it."""
+    leaves = _leaf_parsers()
+    claims = []
+    for doc in [REPO / "README.md", *sorted((REPO / "docs").glob("*.md"))]:
+        for line in doc.read_text().splitlines():
+            for m in re.finditer(r"shardstack ([^`\n]*)", line):
+                if "--json" not in m[1]:
+                    continue
+                words = []
+                for word in re.split(r"[ |\\]+", m[1]):  # the command words, up to the first option or argument
+                    if not re.fullmatch(r"[a-z][a-z-]*", word):
+                        break
+                    words.append(word)
+                # `node cordon|drain|uncordon`: each alternative is a command of its own
+                heads = [tuple(words[:1]), *[(words[0], w) for w in words[1:]]]
+                claims += [(doc.name, h) for h in heads if h in leaves]
+    assert claims, "no --json claims found: the pattern is stale"
+    wrong = [(doc, " ".join(cmd)) for doc, cmd in claims if "--json" not in leaves[cmd]._option_string_actions]
+    assert wrong == []
+    # The general claim names the exceptions.
+    ops = " ".join((REPO / "docs" / "operations.md").read_text().split())
+    assert ("Every command that reports takes `--json` (all but `shardstack serve` itself, the server, and `lab exec`, "
+            "whose output is the command's)") in ops
+
+
+def test_reports_are_one_json_document_on_stdout(tmp_path: Path) -> None:
+    """Local commands with --json: stdout parses as one JSON object with the result's fields; rich stays off it."""
+    text = tmp_path / "in.txt"
+    text.write_text("the quick brown fox jumps over the lazy dog\n" * 200)
+    tok = shardstack("tokenizer", "train", str(text), "--vocab-size", "300", "--out", str(tmp_path / "tok"), "--json")
+    assert tok.returncode == 0, tok.stderr
+    doc = json.loads(tok.stdout)
+    assert 256 < doc["vocab_size"] <= 300 and doc["files"] == 1 and len(doc["sha256"]) == 64
+    prep = shardstack("data", "prepare", str(text), "--out", str(tmp_path / "data"), "--workers", "1", "--json")
+    assert prep.returncode == 0, prep.stderr
+    doc = json.loads(prep.stdout)
+    assert doc["out"] == str(tmp_path / "data") and doc["total_tokens"] == 200 * 44 and doc["tokenizer"]
+    labs = shardstack("lab", "list", "--json")
+    assert labs.returncode == 0 and isinstance(json.loads(labs.stdout)["labs"], list)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import json
+from dataclasses import asdict
 from pathlib import Path
 
 from shardstack.errors import ShardstackError
@@ -47,6 +48,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     ex.add_argument("--tokenizer", default=None, metavar="DIR|bytes",
                     help="the tokenizer to ship with the model (default: the one the job's data was prepared with)")
     ex.add_argument("--no-verify", action="store_true", help="skip the sha256 check of the checkpoint (sizes only)")
+    ex.add_argument("--json", action="store_true", help="print the result as JSON on stdout")
     key_args(ex, _UNSIGNED_HELP + "; the export's manifest is written unsigned, which `serve` refuses without "
                                   "--allow-unsigned")
     ex.set_defaults(func=_export)
@@ -143,6 +145,10 @@ def _export(args: argparse.Namespace) -> int:
     tune_allocator()
     result = export_checkpoint(args.checkpoint, args.out, key=key, dtype=args.dtype, verify=not args.no_verify,
                                fmt=args.fmt, tokenizer=args.tokenizer)
+    if args.json:
+        print(json.dumps({**asdict(result), "out": str(result.out), "dtype": args.dtype, "format": args.fmt},
+                         indent=2))
+        return 0
     print(
         f"exported step {result.step}: {result.tensors} tensors, {result.bytes_written / 2**20:.1f} MiB "
         f"({args.dtype}, format {args.fmt}) to {result.out} in {result.seconds:.1f}s; "

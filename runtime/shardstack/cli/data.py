@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import json
 
 
 def register(sub: argparse._SubParsersAction) -> None:
@@ -16,6 +17,7 @@ def register(sub: argparse._SubParsersAction) -> None:
                       help="bytes (default: token = byte) or a directory with tokenizer.json (`shardstack tokenizer "
                            "train`, or a Hugging Face model's)")
     prep.add_argument("--workers", type=int, default=None, help="encoding processes (default: one per CPU)")
+    prep.add_argument("--json", action="store_true", help="print the result (meta.json's fields) as JSON on stdout")
     prep.set_defaults(func=_prepare)
 
 
@@ -26,10 +28,13 @@ def _prepare(args: argparse.Namespace) -> int:
     from shardstack.train.data import prepare
 
     columns = ("[progress.description]{task.description}", BarColumn(), DownloadColumn(), TimeRemainingColumn())
-    with Progress(*columns, console=console, transient=True) as bar:
+    with Progress(*columns, console=console, transient=True, disable=args.json) as bar:
         task = bar.add_task("tokenising", total=None)
         meta = prepare(args.input, args.out, tokenizer=args.tokenizer, workers=args.workers,
                        progress=lambda done, total: bar.update(task, completed=done, total=total))
+    if args.json:
+        print(json.dumps({"out": str(args.out), **meta}, indent=2))
+        return 0
     print(f"{meta['total_tokens']} tokens in {len(meta['shards'])} shard(s) of {meta['dtype']} → {args.out} "
           f"(tokenizer: {meta['tokenizer']}, vocabulary {meta['vocab_size']})")
     return 0

@@ -5,6 +5,7 @@ inference tier behind the load balancer, a completion, validate, and a second de
 from __future__ import annotations
 
 import argparse
+import json
 import time
 
 from rich.table import Table
@@ -28,6 +29,9 @@ def register(sub: argparse._SubParsersAction) -> None:
     d.add_argument("--name", default="demo", help="lab name (default demo)")
     d.add_argument("--steps", type=int, default=60, help="fine-tuning steps of the demo job (default 60)")
     d.add_argument("--keep", action="store_true", help="leave the lab running afterwards")
+    d.add_argument("--json", action="store_true",
+                   help="print the outcome (phases with seconds, the completion, the error if any) as JSON on stdout; "
+                        "progress and tables stay on stderr")
     d.set_defaults(func=_demo)
 
 
@@ -47,6 +51,7 @@ def _demo(args: argparse.Namespace) -> int:
     phase("lab up (3 nodes)", t0)
     ns = argparse.Namespace(inventory=inventory, tags=None, skip_tags=None, limit=None, check=False, json=False)
     completion = None
+    error: str | None = None
     try:
         # One wheelhouse for every run of the demo, so the second deploy compares like with like.
         t = time.monotonic()
@@ -120,6 +125,9 @@ def _demo(args: argparse.Namespace) -> int:
         if not again.success or again.changed:
             raise ShardstackError(f"second deploy was not clean: {again.changed} changed, {again.failed} failed",
                                   exit_code=EXIT_FAILED_HOSTS)
+    except ShardstackError as exc:
+        error = str(exc)
+        raise
     finally:
         if not args.keep:
             t = time.monotonic()
@@ -131,7 +139,13 @@ def _demo(args: argparse.Namespace) -> int:
         for name, secs in phases:
             table.add_row(name, f"{secs:.1f}")
         console.print(table)
-    if completion:
+        if args.json:  # also when a phase failed: which one, and how long the others took
+            print(json.dumps({"name": args.name, "ok": error is None, "error": error,
+                              "phases": [{"phase": n, "seconds": round(s, 1)} for n, s in phases],
+                              "completion": None if completion is None else {
+                                  "prompt": PROMPT, "text": completion.text, "seconds": completion.seconds}},
+                             indent=2))
+    if completion and not args.json:
         console.print(f"[bold]completion from the trained model[/] ({completion.seconds * 1e3:.0f} ms): "
                       f"{PROMPT!r} → {completion.text!r}", highlight=False)
     return EXIT_OK

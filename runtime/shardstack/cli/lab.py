@@ -3,12 +3,14 @@
 from __future__ import annotations
 
 import argparse
+import json
 import time
 from pathlib import Path
 
 from rich.table import Table
 
-from shardstack.cli.output import EXIT_FAILED_HOSTS, Progress, stdout
+from shardstack.cli.inventory import LAB_INVENTORY
+from shardstack.cli.output import EXIT_FAILED_HOSTS, EXIT_OK, Progress, stdout
 from shardstack.errors import ShardstackError
 from shardstack.lab import lab, state
 
@@ -24,10 +26,12 @@ def register(sub: argparse._SubParsersAction) -> None:
     up.add_argument("--nodes", type=int, default=3, help="number of nodes (default 3)")
     up.add_argument("--inventory", type=Path, default=None,
                     help="where to write the Ansible inventory (default inventory/lab/hosts.yml)")
+    up.add_argument("--json", action="store_true", help="print the result (name, nodes, inventory, seconds) as JSON")
     up.set_defaults(func=_up)
 
     down = lsub.add_parser("down", help="shut the nodes down and remove everything the lab created")
     down.add_argument("--name", default=DEFAULT_NAME)
+    down.add_argument("--json", action="store_true", help="print the result (name, leftovers) as JSON")
     down.set_defaults(func=_down)
 
     status = lsub.add_parser("status", help="nodes, addresses, state, leader PID, memory")
@@ -36,7 +40,8 @@ def register(sub: argparse._SubParsersAction) -> None:
     status.set_defaults(func=_status)
 
     ls = lsub.add_parser("list", help="labs on this host")
-    ls.set_defaults(func=lambda a: print("\n".join(state.list_labs())) or 0)
+    ls.add_argument("--json", action="store_true", help='print {"labs": [...]} as JSON')
+    ls.set_defaults(func=_list)
 
     ex = lsub.add_parser("exec", help="run a command inside a node: shardstack lab exec NODE -- CMD …")
     ex.add_argument("--name", default=DEFAULT_NAME)
@@ -46,27 +51,42 @@ def register(sub: argparse._SubParsersAction) -> None:
 
 
 def _up(args: argparse.Namespace) -> int:
-    inventory = args.inventory or Path("inventory/lab/hosts.yml")
+    inventory = args.inventory or LAB_INVENTORY
     started = time.monotonic()
-    lab.up(args.name, args.nodes, inventory, Progress())
-    print(f"lab {args.name} up in {time.monotonic() - started:.1f}s")
+    lab.up(args.name, args.nodes, inventory, Progress(quiet=args.json))
+    seconds = time.monotonic() - started
+    if args.json:
+        print(json.dumps({"name": args.name, "nodes": args.nodes, "inventory": str(inventory),
+                          "seconds": round(seconds, 1)}, indent=2))
+    else:
+        print(f"lab {args.name} up in {seconds:.1f}s")
     return 0
 
 
 def _down(args: argparse.Namespace) -> int:
-    lab.down(args.name, Progress())
+    lab.down(args.name, Progress(quiet=args.json))
     left = lab.leftovers(args.name)
+    if args.json:
+        print(json.dumps({"name": args.name, "down": not left, "leftovers": left}, indent=2))
+        return EXIT_FAILED_HOSTS if left else EXIT_OK
     if left:
         raise ShardstackError("teardown left things behind: " + ", ".join(left), exit_code=EXIT_FAILED_HOSTS)
-    return 0
+    return EXIT_OK
+
+
+def _list(args: argparse.Namespace) -> int:
+    labs = state.list_labs()
+    print(json.dumps({"labs": labs}) if args.json else "\n".join(labs))
+    return EXIT_OK
 
 
 def _status(args: argparse.Namespace) -> int:
     state.validate_name(args.name)
     info = lab.status(args.name)
-    if args.json:
+    healthy = all(n["state"] in ("running", "degraded") for n in info["nodes"])
+    if args.json:  # 0 whatever the states: molecule's create reads the addresses of nodes still booting
         print(lab.dumps(info))
-        return 0
+        return EXIT_OK
     table = Table(title=f"lab {info['name']} — {info['subnet']} on {info['bridge']}, apt proxy {info['apt_proxy']}")
     for col in ("node", "address", "state", "leader pid", "memory", "ssh"):
         table.add_column(col)
@@ -74,7 +94,7 @@ def _status(args: argparse.Namespace) -> int:
         table.add_row(n["name"], n["address"], n["state"], str(n["leader_pid"] or "-"),
                       f"{n['memory_bytes'] / 2**20:.0f} MiB", "yes" if n["ssh"] else "no")
     stdout.print(table)
-    return 0 if all(n["state"] in ("running", "degraded") for n in info["nodes"]) else 1
+    return EXIT_OK if healthy else EXIT_FAILED_HOSTS
 
 
 def _exec(args: argparse.Namespace) -> int:

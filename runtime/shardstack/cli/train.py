@@ -6,6 +6,7 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import os
 import sys
 from pathlib import Path
 
@@ -29,6 +30,9 @@ def register(sub: argparse._SubParsersAction) -> None:
     run.add_argument("--allow-config-change", action="store_true",
                      help="resume a checkpoint written under another config hash, or adopt one that names no job "
                           "(sets checkpoint.allow_config_change)")
+    run.add_argument("--json", action="store_true",
+                     help="print the result (steps, final loss, tokens/s, stop signal) as JSON on stdout (rank 0); "
+                          "the per-step lines go to stderr")
     run.set_defaults(func=_run)
 
     def common(p: argparse.ArgumentParser) -> None:
@@ -81,9 +85,15 @@ def _run(args: argparse.Namespace) -> int:
     if args.allow_config_change:
         cfg.checkpoint.allow_config_change = True
     try:
-        result = train(cfg, args.max_steps)
+        result = train(cfg, args.max_steps, out=sys.stderr if args.json else None)
     finally:
         dist.shutdown()
+    if args.json and os.environ.get("RANK", "0") == "0":  # one document per job, not one per rank
+        print(json.dumps({"job": cfg.name, "start_step": result.start_step, "final_step": result.final_step,
+                          "steps": len(result.steps),
+                          "final_loss": result.losses[-1] if result.losses else None,
+                          "tokens_per_second": result.tokens_per_second, "stopped_by": result.stopped_by,
+                          "memory_measured": result.memory_measured}, indent=2), flush=True)
     if result.stopped_by:
         log.info("stopped on %s at step %d, last loss %.4f", result.stopped_by, result.final_step,
                  result.losses[-1] if result.losses else float("nan"))

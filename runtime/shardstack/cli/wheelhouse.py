@@ -53,7 +53,9 @@ def _cli(args: argparse.Namespace) -> int:
                 print(f"{p.name}=={p.version}  {p.filename}  sha256:{p.sha256 or '(computed on download)'}")
         return 0
     if args.deps_only:
-        print(dependencies(project_dir(), args.cache, accel=accel, venv=VENVS[args.venv], log=say))
+        deps = dependencies(project_dir(), args.cache, accel=accel, venv=VENVS[args.venv], log=say)
+        print(json.dumps({"venv": args.venv, "accelerator": accel.name, "deps": str(deps)}, indent=2)
+              if args.json else deps)
         return 0
     wh = build(project_dir(), args.cache, accel=accel, venv=VENVS[args.venv], log=say)
     if args.json:
