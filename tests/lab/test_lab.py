@@ -33,7 +33,7 @@ def unique_name() -> str:
 def two_nodes(tmp_path: Path):
     name = unique_name()
     inventory = tmp_path / "hosts.yml"
-    cli("lab", "up", "--name", name, "--nodes", "2", "--inventory", str(inventory))
+    cli("lab", "up", "--name", name, "--nodes", "2", "--write-inventory", str(inventory))
     try:
         yield name, inventory
     finally:
@@ -88,8 +88,8 @@ def test_two_nodes_talk_tcp_install_packages_and_leave_nothing(two_nodes) -> Non
 def test_two_labs_coexist_without_colliding(tmp_path: Path) -> None:
     a, b = unique_name(), unique_name()
     try:
-        cli("lab", "up", "--name", a, "--nodes", "1", "--inventory", str(tmp_path / "a.yml"))
-        cli("lab", "up", "--name", b, "--nodes", "1", "--inventory", str(tmp_path / "b.yml"))
+        cli("lab", "up", "--name", a, "--nodes", "1", "--write-inventory", str(tmp_path / "a.yml"))
+        cli("lab", "up", "--name", b, "--nodes", "1", "--write-inventory", str(tmp_path / "b.yml"))
         sa, sb = (json.loads(cli("lab", "status", "--name", n, "--json").stdout) for n in (a, b))
         assert sa["subnet"] != sb["subnet"] and sa["bridge"] != sb["bridge"]
         assert sa["nodes"][0]["state"] == sb["nodes"][0]["state"] == "running"
@@ -127,7 +127,7 @@ def test_name_in_use_is_refused(two_nodes) -> None:
 
 def test_down_is_quick_and_clean(tmp_path: Path) -> None:
     name = unique_name()
-    cli("lab", "up", "--name", name, "--nodes", "2", "--inventory", str(tmp_path / "h.yml"))
+    cli("lab", "up", "--name", name, "--nodes", "2", "--write-inventory", str(tmp_path / "h.yml"))
     pids = [n.nspawn_pid for n in lab.st.LabState.load(name).nodes]
     started = time.monotonic()
     cli("lab", "down", "--name", name)

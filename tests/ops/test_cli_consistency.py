@@ -201,3 +201,23 @@ def test_reports_are_one_json_document_on_stdout(tmp_path: Path) -> None:
     assert doc["out"] == str(tmp_path / "data") and doc["total_tokens"] == 200 * 44 and doc["tokenizer"]
     labs = shardstack("lab", "list", "--json")
     assert labs.returncode == 0 and isinstance(json.loads(labs.stdout)["labs"], list)
+
+
+# 5. Names that mean one thing: --inventory / -i is always an input ---------------------------------------------------
+
+def test_lab_up_writes_its_inventory_with_write_inventory_only() -> None:
+    from shardstack.cli import build_parser
+
+    up = _leaf_parsers()[("lab", "up")]
+    assert "--write-inventory" in up._option_string_actions
+    assert "--inventory" not in up._option_string_actions and "-i" not in up._option_string_actions
+    args = build_parser(["lab"]).parse_args(["lab", "up", "--write-inventory", "x/hosts.yml"])
+    assert args.write_inventory == Path("x/hosts.yml")
+    # The old name is gone (not an abbreviation of anything either): a usage error before anything boots.
+    old = shardstack("lab", "up", "--name", "zz", "--inventory", "x.yml")
+    assert old.returncode == 2 and "unrecognized arguments: --inventory" in old.stderr
+    # Everywhere else --inventory is what the command reads.
+    readers = [p for p, parser in _leaf_parsers().items() if "--inventory" in parser._option_string_actions]
+    assert readers and all(parser._option_string_actions["--inventory"].dest == "inventory"
+                           and parser._option_string_actions["-i"] is parser._option_string_actions["--inventory"]
+                           for parser in (_leaf_parsers()[p] for p in readers))

@@ -24,8 +24,9 @@ def register(sub: argparse._SubParsersAction) -> None:
     up = lsub.add_parser("up", help="build the node image once, boot N nodes, write an inventory")
     up.add_argument("--name", default=DEFAULT_NAME, help=f"lab name, 1-8 of [a-z0-9] (default {DEFAULT_NAME})")
     up.add_argument("--nodes", type=int, default=3, help="number of nodes (default 3)")
-    up.add_argument("--inventory", type=Path, default=None,
-                    help="where to write the Ansible inventory (default inventory/lab/hosts.yml)")
+    # An output, so not -i/--inventory, which every other command reads.
+    up.add_argument("--write-inventory", type=Path, default=None, metavar="PATH",
+                    help=f"where to write the lab's Ansible inventory (default {LAB_INVENTORY})")
     up.add_argument("--json", action="store_true", help="print the result (name, nodes, inventory, seconds) as JSON")
     up.set_defaults(func=_up)
 
@@ -51,7 +52,7 @@ def register(sub: argparse._SubParsersAction) -> None:
 
 
 def _up(args: argparse.Namespace) -> int:
-    inventory = args.inventory or LAB_INVENTORY
+    inventory = args.write_inventory or LAB_INVENTORY
     started = time.monotonic()
     lab.up(args.name, args.nodes, inventory, Progress(quiet=args.json))
     seconds = time.monotonic() - started
