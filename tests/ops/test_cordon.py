@@ -1,5 +1,6 @@
-"""`shardstack node cordon|drain|uncordon`: the state file beside the inventory, the HAProxy runtime-API commands,
-and train_submit.yml leaving cordoned train nodes out (ansible-playbook --list-hosts and the real assert)."""
+"""`shardstack node cordon|drain|uncordon`: the state file in the controller's state directory, the HAProxy
+runtime-API commands, and train_submit.yml leaving cordoned train nodes out (ansible-playbook --list-hosts and the
+real assert)."""
 
 from __future__ import annotations
 
@@ -32,6 +33,13 @@ def commands(monkeypatch: pytest.MonkeyPatch) -> list[tuple[list[str], str]]:
     return sent
 
 
+@pytest.fixture(autouse=True)
+def controller_state(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
+    """The controller's state directory (shardstack.ops.runner.state_dir) of this test."""
+    monkeypatch.setattr(cordon, "state_dir", lambda: tmp_path / "controller-state")
+    return tmp_path / "controller-state"
+
+
 @pytest.fixture
 def inventory(tmp_path: Path) -> Path:
     path = tmp_path / "inventory" / "hosts.ini"
@@ -40,10 +48,46 @@ def inventory(tmp_path: Path) -> Path:
     return path
 
 
-def test_state_lives_beside_the_inventory(inventory: Path) -> None:
-    assert cordon.state_file(inventory) == inventory.parent / "state" / "cordoned.json"
-    assert cordon.state_file(inventory.parent) == inventory.parent / "state" / "cordoned.json"
+def test_state_lives_in_the_controller_state_dir_keyed_by_the_inventory(inventory: Path, controller_state: Path,
+                                                                       tmp_path: Path) -> None:
+    """Never in the inventory's directory (Ansible would parse a file there as inventory): one file per inventory
+    under the controller's state directory, the same however the inventory's path is spelled."""
+    path = cordon.state_file(inventory)
+    assert path.parent == controller_state / "cordon" and path.name.startswith("inventory-hosts.ini-")
+    assert cordon.state_file(tmp_path / "." / "inventory" / ".." / "inventory" / "hosts.ini") == path
+    assert cordon.state_file(inventory.parent) != path  # another inventory (the directory), another file
     assert cordon.load(inventory) == {} and cordon.cordoned(inventory) == []
+    cordon.apply("t1", "cordon", inventory, GROUPS)
+    assert path.is_file() and sorted(p.name for p in inventory.parent.iterdir()) == ["hosts.ini"]
+
+
+def test_a_state_file_beside_the_inventory_is_moved_out(inventory: Path) -> None:
+    """Earlier versions wrote `<inventory dir>/state/cordoned.json`: still read, and gone after the next change."""
+    legacy = inventory.parent / "state" / "cordoned.json"
+    legacy.parent.mkdir()
+    legacy.write_text(json.dumps({"t2": {"action": "drain", "roles": ["train"], "since": "2026-01-01T00:00:00Z"}}))
+    assert cordon.cordoned(inventory) == ["t2"]
+    cordon.apply("t1", "cordon", inventory, GROUPS)
+    assert cordon.cordoned(inventory) == ["t1", "t2"]
+    assert sorted(p.name for p in inventory.parent.iterdir()) == ["hosts.ini"]
+
+
+def test_node_cordon_writes_nothing_into_the_inventory_directory(tmp_path: Path, controller_state: Path,
+                                                                capsys: pytest.CaptureFixture) -> None:
+    """`shardstack node cordon -i inventory/prod` (a directory inventory, as a real cluster's): the directory holds
+    what it held before; the state is in the controller's state directory."""
+    from shardstack.cli import main as cli_main
+
+    prod = tmp_path / "inventory" / "prod"
+    (prod / "group_vars").mkdir(parents=True)
+    (prod / "hosts.yml").write_text("all:\n  children:\n    train_nodes:\n      hosts:\n        t1:\n")
+    (prod / "group_vars" / "all.yml").write_text("shardstack_scheduler: systemd\n")
+    before = sorted(p.relative_to(prod) for p in prod.rglob("*"))
+    assert cli_main(["node", "cordon", "t1", "-i", str(prod), "--json"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert sorted(p.relative_to(prod) for p in prod.rglob("*")) == before
+    assert Path(out["state_file"]) == cordon.state_file(prod) and out["state_file"].startswith(str(controller_state))
+    assert cordon.cordoned(prod) == ["t1"]
 
 
 def test_cordon_drain_uncordon_a_train_node(inventory: Path) -> None:
@@ -134,7 +178,7 @@ def test_errors_are_shardstack_errors_with_hints(inventory: Path) -> None:
     assert exc.value.hint and "t1" in exc.value.hint
     with pytest.raises(ShardstackError, match="unknown action"):
         cordon.apply("t1", "evict", inventory, GROUPS)
-    cordon.state_file(inventory).parent.mkdir()
+    cordon.state_file(inventory).parent.mkdir(parents=True)
     cordon.state_file(inventory).write_text("{not json")
     with pytest.raises(ShardstackError, match="cannot read the cordon state") as exc:
         cordon.cordoned(inventory)

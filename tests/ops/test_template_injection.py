@@ -19,6 +19,7 @@ from shardstack.cli import build_parser
 from shardstack.cli import main as cli_main
 from shardstack.cli.deploy import run_and_report
 from shardstack.errors import ShardstackError
+from shardstack.ops import cordon
 from shardstack.ops import train as train_ops
 from shardstack.ops.runner import run_command, run_module, run_playbook, state_dir
 
@@ -131,14 +132,16 @@ def test_the_same_payload_passed_plainly_does_run(tmp_path: Path) -> None:
     assert marker.exists(), proc.stdout[-2000:] + proc.stderr[-2000:]
 
 
-def test_train_submit_passes_config_and_cordoned_names_inert(tmp_path: Path, markers: list[Path]) -> None:
+def test_train_submit_passes_config_and_cordoned_names_inert(tmp_path: Path, markers: list[Path],
+                                                             monkeypatch: pytest.MonkeyPatch) -> None:
     """submit() through the real playbooks/train_submit.yml: a cordoned name from the state file (an inventory-side
     string) is rendered into the first play's failure message, the job config is written as the run's extra vars."""
     markers += [tmp_path / "m1", tmp_path / "m2"]
     inv = _inventory(tmp_path, shardstack_scheduler="systemd")
     cordoned = f"n9{_pipe(markers[0])}"
-    (tmp_path / "state").mkdir()
-    (tmp_path / "state" / "cordoned.json").write_text(json.dumps({cordoned: {"roles": ["train"]}}))
+    monkeypatch.setattr(cordon, "state_dir", lambda: tmp_path / "controller-state")
+    cordon.state_file(inv).parent.mkdir(parents=True)
+    cordon.state_file(inv).write_text(json.dumps({cordoned: {"roles": ["train"]}}))
     config = {"data": {"path": f"/srv/x/{_pipe(markers[1])}"}}
     # Two nodes asked of one: the first play fails on localhost before any node is touched, with its message.
     res = train_ops.submit(config, "inj", inv, nodes=2)

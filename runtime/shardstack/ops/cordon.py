@@ -1,11 +1,13 @@
 """Cordon, drain and uncordon nodes (`shardstack node …`, docs/operations.md "Cordon and drain").
 
-State lives on the controller beside the inventory, `<inventory dir>/state/cordoned.json`, one entry per node:
-`{"node": {"action": "cordon"|"drain", "roles": ["inference", "train"], "since": ISO-8601}}`. An inference node
-is also taken out of the load balancers through HAProxy's runtime API (`set server <backend>/<node> state drain`:
-in-flight requests finish, no new ones arrive); a train node is left out of jobs submitted later
-(`shardstack.ops.train.submit`), and `drain` stops the jobs running on it at a checkpoint (STOP_JOBS). Only this
-module reads or writes the state file.
+State lives on the controller, in its state directory (shardstack.ops.runner.state_dir: `artifacts/` of a checkout,
+else $SHARDSTACK_STATE_DIR or ~/.local/state/shardstack), one file per inventory, `cordon/<name>-<hash>.json` keyed by
+the inventory's resolved path; never in the inventory's directory, where Ansible would parse it as inventory. One
+entry per node: `{"node": {"action": "cordon"|"drain", "roles": ["inference", "train"], "since": ISO-8601}}`.
+An inference node is also taken out of the load balancers through HAProxy's runtime API (`set server
+<backend>/<node> state drain`: in-flight requests finish, no new ones arrive); a train node is left out of jobs
+submitted later (`shardstack.ops.train.submit`), and `drain` stops the jobs running on it at a checkpoint
+(STOP_JOBS). Only this module reads or writes the state file.
 
 For Grafana and alerting, the node itself also carries the state: node_exporter's textfile collector reads
 `shardstack_node_cordoned 1` (0 after uncordon) from `<node_exporter_textfile_dir>/shardstack_cordon.prom`, written
@@ -15,6 +17,8 @@ unreachable): when it fails the outcome says so and the state file stays the rec
 
 from __future__ import annotations
 
+import contextlib
+import hashlib
 import json
 import os
 import re
@@ -26,7 +30,7 @@ from pathlib import Path
 from typing import Any
 
 from shardstack.errors import ShardstackError
-from shardstack.ops.runner import CommandResult, run_command
+from shardstack.ops.runner import CommandResult, run_command, state_dir
 
 ACTIONS = ("cordon", "drain", "uncordon")
 ROLE_GROUPS = {"inference": "inference_nodes", "train": "train_nodes"}
@@ -47,14 +51,24 @@ _TRAIN_UNIT = re.compile(r"shardstack-train@(.+)\.service")
 
 
 def state_file(inventory: Path) -> Path:
-    """`state/cordoned.json` in the inventory's directory (the inventory itself when it is a directory)."""
+    """The inventory's cordon state under the controller's state directory: a readable name (the inventory's last
+    path parts) and a hash of its resolved path, so two inventories never share a file and one always finds its own."""
     inventory = inventory.resolve()
-    base = inventory if inventory.is_dir() else inventory.parent
-    return base / "state" / "cordoned.json"
+    digest = hashlib.sha256(str(inventory).encode()).hexdigest()[:16]
+    name = re.sub(r"[^A-Za-z0-9_.-]+", "_", "-".join(inventory.parts[-2:])).strip("._-") or "inventory"
+    return state_dir() / "cordon" / f"{name}-{digest}.json"
+
+
+def _legacy_file(inventory: Path) -> Path:
+    """Where earlier versions kept it: `state/cordoned.json` in the inventory's directory. Read once, moved on save."""
+    inventory = inventory.resolve()
+    return (inventory if inventory.is_dir() else inventory.parent) / "state" / "cordoned.json"
 
 
 def load(inventory: Path) -> dict[str, dict[str, Any]]:
     path = state_file(inventory)
+    if not path.exists():
+        path = _legacy_file(inventory)
     if not path.exists():
         return {}
     try:
@@ -81,6 +95,11 @@ def save(inventory: Path, state: dict[str, dict[str, Any]]) -> Path:
     except BaseException:
         Path(tmp).unlink(missing_ok=True)
         raise
+    legacy = _legacy_file(inventory)
+    if legacy.exists():  # moved: nothing of ours stays where Ansible reads inventory
+        legacy.unlink()
+        with contextlib.suppress(OSError):
+            legacy.parent.rmdir()  # only when empty
     return path
 
 
