@@ -221,3 +221,41 @@ def test_lab_up_writes_its_inventory_with_write_inventory_only() -> None:
     assert readers and all(parser._option_string_actions["--inventory"].dest == "inventory"
                            and parser._option_string_actions["-i"] is parser._option_string_actions["--inventory"]
                            for parser in (_leaf_parsers()[p] for p in readers))
+
+
+# 7. One set of serving defaults: `shardstack serve`'s are the inference_service role's ----------------------------
+
+# CLI option dest → the role variable that sets it on a node. The role's 0 means "leave the CLI's automatic value",
+# which is None in argparse. Not mapped, on purpose: --host (the node's address vs loopback by hand), --model-name
+# (the role serves exports/current, whose directory name means nothing), --tensor-parallel (the role's 0 is "every
+# GPU of the node", counted on the node).
+SERVE_DEFAULTS = {
+    "port": "inference_service_port", "max_concurrency": "inference_service_max_concurrency",
+    "max_queue": "inference_service_max_queue", "max_body_bytes": "inference_service_max_body_bytes",
+    "max_tokens": "inference_service_max_tokens", "context": "inference_service_context",
+    "max_prefill_tokens": "inference_service_max_prefill_tokens", "device": "inference_service_device",
+    "dtype": "inference_service_dtype", "threads": "inference_service_threads",
+    "drain_seconds": "inference_service_drain_seconds", "stall_seconds": "inference_service_watchdog_seconds",
+    "kv_cache_gib": "inference_service_kv_cache_gib", "engine": "inference_service_engine",
+}
+
+
+def test_serve_defaults_are_the_roles() -> None:
+    import yaml
+    from shardstack.cli import build_parser
+
+    role = yaml.safe_load((REPO / "roles/inference_service/defaults/main.yml").read_text())
+    args = build_parser(["serve"]).parse_args(["serve"])
+    cli = {dest: getattr(args, dest) for dest in SERVE_DEFAULTS}
+    want = {dest: None if role[var] == 0 else role[var] for dest, var in SERVE_DEFAULTS.items()}
+    assert cli == want
+    help_text = " ".join(shardstack("serve", "--help").stdout.split())
+    for flag, dest in (("--max-concurrency", "max_concurrency"), ("--max-queue", "max_queue"),
+                       ("--drain-seconds", "drain_seconds")):
+        assert f"(default {role[SERVE_DEFAULTS[dest]]})" in help_text, flag
+    # docs/serving.md's options table says the same.
+    table = (REPO / "docs/serving.md").read_text()
+    for flag, dest in (("--max-concurrency N", "max_concurrency"), ("--max-queue N", "max_queue"),
+                       ("--drain-seconds S", "drain_seconds"), ("--stall-seconds S", "stall_seconds"),
+                       ("--max-prefill-tokens N", "max_prefill_tokens")):
+        assert f"| `{flag}` | {role[SERVE_DEFAULTS[dest]]} |" in table, flag

@@ -41,10 +41,12 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--model-name", default=None, help="name clients pass as `model` (default: the dir's name)")
     p.add_argument("--host", default="127.0.0.1", help="bind address (default 127.0.0.1)")
     p.add_argument("--port", type=int, default=8000, help="port (default 8000)")
-    p.add_argument("--max-concurrency", type=_positive(int), default=16,
-                   help="requests decoded together, = KV-cache slots; 1 disables batching (default 16)")
-    p.add_argument("--max-queue", type=int, default=64,
-                   help="requests waiting for a slot before new ones get 429 (default 64)")
+    # The defaults are the inference_service role's (roles/inference_service/defaults/main.yml, where 0 means "the
+    # CLI's automatic value", None here): a node and `shardstack serve` by hand behave alike. Tested.
+    p.add_argument("--max-concurrency", type=_positive(int), default=8,
+                   help="requests decoded together, = KV-cache slots; 1 disables batching (default 8)")
+    p.add_argument("--max-queue", type=int, default=32,
+                   help="requests waiting for a slot before new ones get 429 (default 32)")
     p.add_argument("--max-tokens", type=_positive(int), default=None,
                    help="ceiling for a request's max_tokens (default: the model context)")
     p.add_argument("--context", type=_positive(int), default=None,
@@ -74,8 +76,8 @@ def register(sub: argparse._SubParsersAction) -> None:
                    help="torch intra-op CPU threads (default: CPUs - 1)")
     p.add_argument("--stall-seconds", type=_positive(float), default=30.0,
                    help="engine loop silent this long = hung: /health 503, no watchdog ping (default 30)")
-    p.add_argument("--drain-seconds", type=float, default=30.0,
-                   help="on SIGTERM, time in-flight requests get to finish (default 30)")
+    p.add_argument("--drain-seconds", type=float, default=20.0,
+                   help="on SIGTERM, time in-flight requests get to finish (default 20)")
     p.add_argument("--access-log", nargs="?", const="stdout", default="auto",
                    choices=["auto", "journal", "stdout", "off"],
                    help="one entry per request: journal (structured fields), stdout, off; auto (default): journal "
