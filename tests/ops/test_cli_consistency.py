@@ -259,3 +259,54 @@ def test_serve_defaults_are_the_roles() -> None:
                        ("--drain-seconds S", "drain_seconds"), ("--stall-seconds S", "stall_seconds"),
                        ("--max-prefill-tokens N", "max_prefill_tokens")):
         assert f"| `{flag}` | {role[SERVE_DEFAULTS[dest]]} |" in table, flag
+
+
+# 8. What the docs claim ---------------------------------------------------------------------------------------------
+
+def test_serving_md_example_unit_is_what_the_role_renders() -> None:
+    """Every line of docs/serving.md's example unit is in the unit the role renders for that host (ExecStart: the
+    same argv), and the CLI parses that ExecStart."""
+    import shlex
+
+    from shardstack.cli import build_parser
+
+    from .conftest import render
+
+    doc = (REPO / "docs/serving.md").read_text()
+    block = doc[doc.index("```ini\n[Service]"):]
+    block = block[len("```ini\n"):block.index("```", 3)]
+    unit = render("inference_service", "shardstack-inference.service.j2", inventory_hostname="node2",
+                  ansible_host="10.0.0.12")
+
+    def settings(text: str) -> list[str]:
+        joined = text.replace("\\\n", " ")
+        return [line.strip() for line in joined.splitlines() if line.strip() and not line.startswith("#")]
+
+    rendered = settings(unit)
+    documented = settings(block)
+    exec_doc = [line for line in documented if line.startswith("ExecStart=")]
+    exec_unit = [line for line in rendered if line.startswith("ExecStart=")]
+    assert len(exec_doc) == 1 and len(exec_unit) == 1
+    assert shlex.split(exec_doc[0]) == shlex.split(exec_unit[0])
+    assert [line for line in documented if not line.startswith("ExecStart=") and line not in rendered] == []
+    argv = shlex.split(exec_doc[0].removeprefix("ExecStart="))
+    assert build_parser(argv[1:]).parse_args(argv[1:]).model == Path("/srv/shardstack/exports/current")
+
+
+def test_the_cli_reads_the_inventorys_group_vars_as_the_readme_says(tmp_path: Path) -> None:
+    """README: settings go in the inventory's group_vars/, which the CLI reads (through ansible-inventory); the
+    repository's group_vars/ sets nothing, so there is nothing there the CLI could miss."""
+    import yaml
+    from shardstack.ops import cluster
+    from shardstack.ops import status as status_ops
+
+    readme = " ".join((REPO / "README.md").read_text().split())
+    assert "read both by `site.yml` and by the wrapper" not in readme
+    assert "Cluster-wide settings go in the inventory's `group_vars/`" in readme
+    assert yaml.safe_load((REPO / "group_vars/all.yml").read_text()) == {}
+    inv = tmp_path / "prod"
+    (inv / "group_vars").mkdir(parents=True)
+    (inv / "hosts.yml").write_text("all:\n  children:\n    monitoring_server:\n      hosts:\n        mon:\n"
+                                   "          ansible_host: 10.0.0.9\n")
+    (inv / "group_vars" / "all.yml").write_text("prometheus_port: 9999\n")
+    assert status_ops.sources(cluster.inventory_hosts(inv))[0] == "http://10.0.0.9:9999"
