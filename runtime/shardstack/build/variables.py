@@ -21,8 +21,6 @@ from typing import Any
 
 import yaml
 
-from shardstack.ops.runner import project_dir
-
 COMMAND = "make docs-variables"
 MODULE_COMMAND = "python -m shardstack.build.variables --write docs/variables.md"
 MAX_DEFAULT = 60  # characters of a rendered default before it is shortened
@@ -95,8 +93,13 @@ class RoleSpec:
 
 
 def roles_dir() -> Path:
-    """roles/ of the project as the CLI finds it: the checkout, $SHARDSTACK_HOME, or the copy a wheel carries."""
-    return project_dir() / "roles"
+    """roles/ of the checkout this module sits in (runtime/shardstack/build/ → the repository root), else the copy a
+    wheel carries (shardstack/_ansible/roles). A build tool imports nothing from ops/ (tests/unit/test_imports.py)."""
+    here = Path(__file__).resolve()
+    for d in (here.parents[3] / "roles", here.parents[1] / "_ansible" / "roles"):
+        if d.is_dir():
+            return d
+    raise SystemExit("cannot find the roles directory: pass --roles DIR")
 
 
 def _type(spec: dict[str, Any]) -> str:
