@@ -356,7 +356,9 @@ def test_a_draining_backend_503_is_retried_on_the_other(lb: dict) -> None:
 
 def test_a_request_that_kills_its_backend_is_not_replayed_on_another(lb: dict) -> None:
     lb["a"].post = lb["b"].post = 0  # whichever server gets it dies running it
-    assert post(lb)[0] == 502
+    status, body, headers = post(lb)
+    assert status == 502 and headers["content-type"] == "application/json"
+    assert json.loads(body)["error"]["code"] == "bad_gateway"  # OpenAI's error shape, not HAProxy's HTML page
     assert lb["a"].hits[0] + lb["b"].hits[0] == 1  # one server saw it; the other never did
 
 
