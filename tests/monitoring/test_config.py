@@ -163,6 +163,10 @@ def test_service_arguments_render() -> None:
     assert "--web.listen-address=0.0.0.0:9100" in ne
     assert "--collector.textfile.directory=/var/lib/prometheus/node-exporter" in ne
     assert ne.startswith("#") and "Ansible managed" in ne
+    # InferenceServiceRestarting counts node_systemd_service_restart_total, which only this flag exports.
+    assert "--collector.systemd --collector.processes --collector.systemd.enable-restarts-metrics" in ne
+    without = role_vars("node_exporter", node_exporter_enabled_collectors=["processes"]).render("node_exporter.default.j2")
+    assert "enable-restarts-metrics" not in without
     ipv6 = role_vars("node_exporter", node_exporter_listen_address="::").render("node_exporter.default.j2")
     assert "--web.listen-address=[::]:9100" in ipv6
     am = role_vars("prometheus", prometheus_alertmanager_cluster_peers=["10.0.0.2:9094"]).render(
