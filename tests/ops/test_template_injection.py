@@ -142,9 +142,9 @@ def test_train_submit_passes_config_and_cordoned_names_inert(tmp_path: Path, mar
     monkeypatch.setattr(cordon, "state_dir", lambda: tmp_path / "controller-state")
     cordon.state_file(inv).parent.mkdir(parents=True)
     cordon.state_file(inv).write_text(json.dumps({cordoned: {"roles": ["train"]}}))
-    config = {"data": {"path": f"/srv/x/{_pipe(markers[1])}"}}
+    config = {"data": {"path": f"/srv/shardstack/data/{_pipe(markers[1])}"}}  # under the default shared dir
     # Two nodes asked of one: the first play fails on localhost before any node is touched, with its message.
-    res = train_ops.submit(config, "inj", inv, nodes=2)
+    res = train_ops.submit(config, "inj", inv, nodes=2, prepare_demo_data=True)
     assert not res.success
     assert f"({cordoned} cordoned)" in res.hosts["localhost"].message
     # What Ansible loaded as the run's extra vars, rendered the way a play renders a reference to them.

@@ -75,7 +75,8 @@ def _demo(args: argparse.Namespace) -> int:
         t = time.monotonic()
         job = train.demo_job(args.steps, cluster.shared_dir(cluster.inventory_hosts(inventory)), init_from=init_from)
         # A rerun with another --steps continues the demo's own job (its own checkpoint.dir): a config change it means.
-        sub = train.submit(job, "demo", inventory, nodes=2, allow_config_change=True, on_event=LiveProgress())
+        sub = train.submit(job, "demo", inventory, nodes=2, allow_config_change=True, prepare_demo_data=True,
+                           on_event=LiveProgress())
         if not sub.success:
             console.print(summary_table(sub, "train submit demo"))
             raise ShardstackError("train submit failed", exit_code=EXIT_FAILED_HOSTS)

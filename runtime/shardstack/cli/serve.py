@@ -1,5 +1,6 @@
-"""`shardstack serve --model DIR` (the inference service, docs/serving.md) and `shardstack serve rollout`
-(upgrade the cluster's inference nodes one at a time, docs/operations.md)."""
+"""`shardstack serve --model DIR` (the inference service, docs/serving.md), `shardstack serve rollout` (upgrade the
+cluster's inference nodes one at a time) and `shardstack serve publish JOB[@STEP]` (a job's checkpoint → a signed
+export → exports/current → rollout; docs/operations.md)."""
 
 from __future__ import annotations
 
@@ -92,6 +93,14 @@ def register(sub: argparse._SubParsersAction) -> None:
     r.add_argument("--limit", help="only these inference nodes")
     r.add_argument("--json", action="store_true", help="print the result as JSON on stdout")
     r.set_defaults(func=_rollout)
+    pub = actions.add_parser("publish", help="export JOB's checkpoint (at STEP, else its newest valid one) on a train "
+                                             "node, signed with its key; point exports/current at it; roll out")
+    pub.add_argument("job", metavar="JOB[@STEP]", help="a job submitted with `train submit`, e.g. run1 or run1@1200")
+    pub.add_argument("--no-rollout", action="store_true",
+                     help="only export and switch exports/current (inference nodes load it on their next rollout)")
+    add_inventory_arg(pub)
+    pub.add_argument("--json", action="store_true", help="print the result as JSON on stdout")
+    pub.set_defaults(func=_publish)
 
 
 def _read_token(path: Path) -> str:
@@ -175,3 +184,23 @@ def _rollout(args: argparse.Namespace) -> int:
     else:
         console.print(summary_table(result, "serve rollout"))
     return EXIT_OK if result.success else EXIT_FAILED_HOSTS
+
+
+def _publish(args: argparse.Namespace) -> int:
+    from shardstack.ops.serve import parse_job_ref, publish
+
+    parse_job_ref(args.job)  # bad input: one line before the inventory is read
+    done = publish(args.inventory, args.job, rollout_after=not args.no_rollout,
+                   on_event=None if args.json else LiveProgress())
+    ok = done.rollout is None or done.rollout.success
+    if args.json:
+        print(json.dumps(done.to_dict(), indent=2))
+        return EXIT_OK if ok else EXIT_FAILED_HOSTS
+    exp = done.export
+    print(f"exported {done.job} step {done.step} ({'signed' if exp.signed else 'UNSIGNED'}) on {exp.host} → "
+          f"{exp.out_dir}; {exp.current} → it")
+    if done.rollout is None:
+        console.print("not rolled out (--no-rollout): shardstack serve rollout loads it", highlight=False)
+    else:
+        console.print(summary_table(done.rollout, "serve rollout"))
+    return EXIT_OK if ok else EXIT_FAILED_HOSTS

@@ -69,11 +69,63 @@ def load_job(path: Path) -> dict[str, Any]:
     return load_config(path).to_dict()
 
 
+def shared_paths(config: dict[str, Any]) -> list[tuple[str, str]]:
+    """The job config's paths every node of the job must see the same: (key, path) of those set."""
+    data, ck, model = (config.get(k) or {} for k in ("data", "checkpoint", "model"))
+    found = [("data.path", data.get("path")), ("checkpoint.dir", ck.get("dir")),
+             ("model.init_from", model.get("init_from"))]
+    if ck.get("resume") not in (None, "auto", "never"):
+        found.append(("checkpoint.resume", ck["resume"]))
+    return [(k, str(v)) for k, v in found if v is not None]
+
+
+def check_shared_paths(config: dict[str, Any], shared: str) -> None:
+    """Refuse a path that is not on shared storage: each node would read (or write) its own copy."""
+    for key, path in shared_paths(config):
+        if not cluster.on_shared(path, shared):
+            raise ShardstackError(f"{key} {path} is not under the shared directory {shared}",
+                                  hint="every node of a job reads its data and model and writes its checkpoints "
+                                       "there: shardstack data put / model put copy them")
+
+
+def missing_argv(paths: list[str]) -> list[str]:
+    """Print each of `paths` that does not exist on the node (one command, nothing printed: all there)."""
+    return ["sh", "-c", 'for p in "$@"; do [ -e "$p" ] || printf "%s\\n" "$p"; done', "sh", *paths]
+
+
+def check_inputs(config: dict[str, Any], inventory: Path, host: str) -> None:
+    """The prepared data set (data.path/meta.json) and init_from's config.json exist on the cluster: the job's task
+    would otherwise tokenise the shipped demo corpus into data.path without a word."""
+    data = (config.get("data") or {}).get("path")
+    init_from = (config.get("model") or {}).get("init_from")
+    wanted = {f"{data}/meta.json": "data.path", f"{init_from}/config.json": "model.init_from"}
+    wanted = {p: k for p, k in wanted.items() if not p.startswith("None/")}
+    if not wanted:
+        return
+    r = run_command(missing_argv(list(wanted)), inventory, host).get(host)
+    if r is None or not r.success:
+        raise ShardstackError(f"cannot check the job's inputs on {host}: "
+                              f"{((r.stderr or r.message) if r else 'no result') or ''}".strip())
+    for path in r.stdout.splitlines():
+        key = wanted.get(path)
+        if key == "data.path":
+            raise ShardstackError(f"data.path {data} holds no prepared data set on the cluster (no meta.json)",
+                                  hint="put one there: shardstack data put SHARDS --name NAME, or shardstack data "
+                                       "prepare --cluster INPUT --out-name NAME")
+        if key == "model.init_from":
+            raise ShardstackError(f"model.init_from {init_from} is not a model directory on the cluster (no "
+                                  "config.json)", hint="put it there: shardstack model put DIR")
+
+
 def submit(config: dict[str, Any], name: str, inventory: Path, *, nodes: int | None = None,
            account: str | None = None, qos: str | None = None, time_limit: str | None = None,
-           allow_config_change: bool = False, on_event=None) -> RunResult:
+           allow_config_change: bool = False, prepare_demo_data: bool = False, on_event=None) -> RunResult:
     """Start the job (systemd) or queue it (Slurm: `account`, `qos` and `time_limit` go to sbatch). The config sent
-    names the job (its checkpoints record it); `allow_config_change` sets checkpoint.allow_config_change in it."""
+    names the job (its checkpoints record it); `allow_config_change` sets checkpoint.allow_config_change in it.
+
+    Its data, checkpoint and init_from paths must be under the shared directory, and data.path must hold a prepared
+    data set on the cluster; `prepare_demo_data` (the demo and the e2e) asks for the shipped demo corpus to be
+    prepared into data.path instead when it holds none."""
     check_job_name(name)
     if config.get("name") not in (None, name):
         raise ShardstackError(f"the job config names job {config['name']!r}, but it is submitted as {name!r}",
@@ -91,12 +143,19 @@ def submit(config: dict[str, Any], name: str, inventory: Path, *, nodes: int | N
             raise ShardstackError(f"--{key} {value!r} is not valid",
                                   hint="a time limit is [days-]hours[:minutes[:seconds]]" if key == "time"
                                   else "Slurm names are [A-Za-z0-9_.-]")
+    inv = cluster.inventory_hosts(inventory)
+    check_shared_paths(config, cluster.shared_dir(inv))
+    # Cordoned train nodes (`shardstack node cordon`) are left out; the playbook refuses if too few remain.
+    excluded = cordon.cordoned(inventory, "train")
+    if not prepare_demo_data:
+        usable = [h for h in cluster.group(inv, TRAIN_GROUP) if h not in excluded]
+        if usable:  # none: the playbook's first play says so
+            check_inputs(config, inventory, usable[0])
     extravars: dict[str, Any] = {"train_job_name": name, "train_job_config": config}
     extravars.update({f"train_job_{k}": v for k, v in given.items()})
     if nodes:
         extravars["train_job_nodes"] = nodes
-    # Cordoned train nodes (`shardstack node cordon`) are left out; the playbook refuses if too few remain.
-    if excluded := cordon.cordoned(inventory, "train"):
+    if excluded:
         extravars["train_job_exclude"] = excluded
     return run_playbook("playbooks/train_submit.yml", inventory, extravars=extravars, on_event=on_event)
 
