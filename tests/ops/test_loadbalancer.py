@@ -532,7 +532,7 @@ def test_a_client_over_its_connection_limit_gets_429_while_its_held_requests_are
 
 
 CLUSTER_TOKEN = "cluster-token-of-the-backends"
-KEYS = {"team-a": "key-of-team-a", "team-b": "key-of-team-b"}
+KEYS = {"team-a": "key-of-team-a", "team-b": "key-of-team-b", "team-c": "key-of-team-c"}
 UNAUTHORIZED = ApiError(401, "missing or invalid API key", code="invalid_api_key")
 KEY_RATE = ApiError(429, "rate limit of this API key exceeded; retry later", code="rate_limit_exceeded")
 KEY_CONCURRENCY = ApiError(429, "too many requests in flight with this API key; retry later",
@@ -553,8 +553,9 @@ def _write_key_maps(api_dir: Path, keys: dict[str, str], api_keys: list[dict]) -
 
 @contextlib.contextmanager
 def _keyed(tmp_path: Path, **overrides: object) -> Iterator[dict]:
-    """The edge with named keys: team-a at 5 requests per period, team-b 1 in flight; the cluster token as "cluster"."""
-    api_keys = [{"name": "team-a", "requests": 5}, {"name": "team-b", "concurrency": 1}]
+    """The edge with named keys: team-a at 5 requests per period, team-b 1 in flight, team-c the defaults; the cluster
+    token as "cluster"."""
+    api_keys = [{"name": "team-a", "requests": 5}, {"name": "team-b", "concurrency": 1}, {"name": "team-c"}]
     _write_key_maps(tmp_path / "api", KEYS, api_keys)
     with _two_backends(tmp_path, loadbalancer_api_keys=api_keys, __loadbalancer_api_dir=str(tmp_path / "api"),
                        **overrides) as lb:
@@ -610,10 +611,12 @@ def test_a_key_over_its_concurrency_gets_429_while_another_key_is_served(tmp_pat
 
 
 def test_revoking_a_key_is_one_reload_and_fails_no_request_of_another(tmp_path: Path) -> None:
-    """team-a removed from the maps, HAProxy reloaded as systemd reloads it (SIGUSR2 to the master) while team-b
-    sends requests one after another: team-a gets 401 from then on, team-b no error."""
+    """team-a removed from the maps, HAProxy reloaded as systemd reloads it (SIGUSR2 to the master) while team-c
+    sends requests one after another: team-a gets 401 from then on, team-c no error. (team-c has no in-flight limit
+    of its own: with team-b's limit of 1, a client opening a new connection per request can arrive before HAProxy
+    has released the previous one, a 429 unrelated to the reload.)"""
     with _keyed(tmp_path, master_worker=True, loadbalancer_rate_limit_requests=10_000) as lb:
-        a, b = _as(lb, KEYS["team-a"]), _as(lb, KEYS["team-b"])
+        a, c = _as(lb, KEYS["team-a"]), _as(lb, KEYS["team-c"])
         assert a.call("POST", "/v1/completions", {"prompt": "x"}, timeout=10)[0] == 200
         codes: Counter = Counter()
         done = threading.Event()
@@ -621,19 +624,19 @@ def test_revoking_a_key_is_one_reload_and_fails_no_request_of_another(tmp_path: 
         def load() -> None:
             while not done.is_set():
                 try:
-                    codes[b.call("POST", "/v1/completions", {"prompt": "x"}, timeout=10)[0]] += 1
+                    codes[c.call("POST", "/v1/completions", {"prompt": "x"}, timeout=10)[0]] += 1
                 except OSError as exc:
                     codes[type(exc).__name__] += 1
 
         worker = threading.Thread(target=load, daemon=True)
         worker.start()
         try:
-            _until("team-b's load running", lambda: codes[200] >= 5)
-            _write_key_maps(tmp_path / "api", {"team-b": KEYS["team-b"]}, [lb["api_keys"][1]])
+            _until("team-c's load running", lambda: codes[200] >= 5)
+            _write_key_maps(tmp_path / "api", {k: KEYS[k] for k in ("team-b", "team-c")}, lb["api_keys"][1:])
             lb["proc"].send_signal(signal.SIGUSR2)
             _until("team-a revoked", lambda: a.call("POST", "/v1/completions", {"prompt": "x"}, timeout=10)[0] == 401)
             served = codes[200]
-            _until("team-b's load after the reload", lambda: codes[200] >= served + 5)
+            _until("team-c's load after the reload", lambda: codes[200] >= served + 5)
         finally:
             done.set()
             worker.join(timeout=30)
