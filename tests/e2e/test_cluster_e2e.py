@@ -6,7 +6,9 @@ resuming from its last checkpoint, its metrics in Prometheus;
 export, the inference tier serving the trained model through HAProxy over HTTPS (verified against the cluster CA);
 validate with no finding; one backend stopped under steady load and a rolling upgrade to another checkpoint under
 load, each with zero failed client requests and every backend's /info reporting the new step; a hung engine killed
-by systemd's watchdog and serving again; an inference node cordoned under load (no failed request) and
+by systemd's watchdog and serving again; at the edge, named keys (an in-flight limit, a key revoked by one run of
+the load balancer's stage under another key's load), a loop of 1 MiB prompts beside another client and a request
+that kills its backend (502, never replayed); an inference node cordoned under load (no failed request) and
 `status --json` against the lab; a train node drained under a 2-node job (the job stops at a checkpoint, the
 resubmit resumes without the node); the firewall dropping what its port plan does not name; and, after all of
 it, no secret in any ansible-runner artifact or molecule file.
