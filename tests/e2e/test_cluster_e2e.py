@@ -156,7 +156,8 @@ def test_two_node_job_survives_a_killed_worker(lab3: Cluster) -> None:
     job = demo_job(STEPS, cluster.shared_dir(lab3.inv), JOB)
     job["checkpoint"]["interval"] = 20
     job["metrics"]["log_every"] = 5
-    sub = train.submit(job, JOB, lab3.inventory, nodes=2)
+    # The first job on a fresh lab: the shipped demo corpus is prepared into data.path (asked for, as the demo does).
+    sub = train.submit(job, JOB, lab3.inventory, nodes=2, prepare_demo_data=True)
     assert sub.success, {h: (r.failed_task, r.message) for h, r in sub.hosts.items()}
     # On a worker node: wait for the step-40 checkpoint on shared storage, then SIGKILL that node's worker (the
     # torchrun agent's child, not the agent). One ad-hoc command, so the kill lands mid-run whatever the host load.

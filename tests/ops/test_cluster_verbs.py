@@ -315,3 +315,15 @@ def test_publish_of_an_unknown_job_is_one_line(node: tuple[Path, Path], tmp_path
     proc = shardstack("serve", "publish", "nojob", "-i", str(inv))
     assert proc.returncode == 2 and "no job nojob on h1: cannot read" in proc.stderr, proc.stderr
     assert "Traceback" not in proc.stderr
+
+
+def test_jobs_may_live_in_a_directory_of_their_own_on_the_shared_storage() -> None:
+    """training_runtime_shared_dir set in the inventory (the Slurm scenario's /mnt/lab-shared/molecule-slurm) is
+    where submit expects a job's paths; unset, the shared directory is."""
+    inv = {"groups": {"train_nodes": ["n1"]}, "hostvars": {"n1": {"training_runtime_shared_dir": "/mnt/jobs"}}}
+    assert train_ops.job_shared_dir(inv) == "/mnt/jobs"
+    train_ops.check_shared_paths(train_ops.demo_job(10, "/mnt/jobs", "j"), train_ops.job_shared_dir(inv))
+    plain = {"groups": {"train_nodes": ["n1"]}, "hostvars": {"n1": {}}}
+    assert train_ops.job_shared_dir(plain) == "/srv/shardstack"
+    with pytest.raises(ShardstackError, match="is not under the shared directory /srv/shardstack"):
+        train_ops.check_shared_paths(train_ops.demo_job(10, "/mnt/jobs", "j"), train_ops.job_shared_dir(plain))

@@ -65,6 +65,11 @@ def _first_hostvars(inv: dict[str, Any], group_name: str) -> dict[str, Any]:
     return inv["hostvars"].get(hosts[0], {}) if hosts else {}
 
 
+def inventory_vars(inv: dict[str, Any], group_name: str = "all") -> dict[str, Any]:
+    """The inventory's own variables of the group's first host (no role defaults)."""
+    return dict(_first_hostvars(inv, group_name))
+
+
 def setting(inv: dict[str, Any], name: str, role: str, group_name: str = "all") -> Any:
     """A variable as the roles see it on the group's first host: the inventory's value, else the role's default.
     Only plain values resolve here (no play runs): a default that is a template must be set in the inventory."""

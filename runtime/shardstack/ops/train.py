@@ -79,6 +79,13 @@ def shared_paths(config: dict[str, Any]) -> list[tuple[str, str]]:
     return [(k, str(v)) for k, v in found if v is not None]
 
 
+def job_shared_dir(inv: dict[str, Any]) -> str:
+    """Where jobs read data and write checkpoints: training_runtime_shared_dir when the inventory sets it (a cluster
+    may keep its jobs in a directory of their own on the shared storage), else the shared directory itself."""
+    hostvars = cluster.inventory_vars(inv, TRAIN_GROUP)
+    return str(hostvars.get("training_runtime_shared_dir") or cluster.shared_dir(inv))
+
+
 def check_shared_paths(config: dict[str, Any], shared: str) -> None:
     """Refuse a path that is not on shared storage: each node would read (or write) its own copy."""
     for key, path in shared_paths(config):
@@ -144,7 +151,7 @@ def submit(config: dict[str, Any], name: str, inventory: Path, *, nodes: int | N
                                   hint="a time limit is [days-]hours[:minutes[:seconds]]" if key == "time"
                                   else "Slurm names are [A-Za-z0-9_.-]")
     inv = cluster.inventory_hosts(inventory)
-    check_shared_paths(config, cluster.shared_dir(inv))
+    check_shared_paths(config, job_shared_dir(inv))
     # Cordoned train nodes (`shardstack node cordon`) are left out; the playbook refuses if too few remain.
     excluded = cordon.cordoned(inventory, "train")
     if not prepare_demo_data:
