@@ -165,7 +165,8 @@ def test_service_arguments_render() -> None:
     assert ne.startswith("#") and "Ansible managed" in ne
     # InferenceServiceRestarting counts node_systemd_service_restart_total, which only this flag exports.
     assert "--collector.systemd --collector.processes --collector.systemd.enable-restarts-metrics" in ne
-    without = role_vars("node_exporter", node_exporter_enabled_collectors=["processes"]).render("node_exporter.default.j2")
+    without = role_vars("node_exporter", node_exporter_enabled_collectors=["processes"]).render(
+        "node_exporter.default.j2")
     assert "enable-restarts-metrics" not in without
     ipv6 = role_vars("node_exporter", node_exporter_listen_address="::").render("node_exporter.default.j2")
     assert "--web.listen-address=[::]:9100" in ipv6
