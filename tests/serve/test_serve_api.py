@@ -34,7 +34,7 @@ def test_ready_after_load_and_warm_up(svc: Service, client: httpx.Client) -> Non
     assert info["checkpoint"] == "random:gpt:small:seed=1234" and info["device"] == "cpu"
     assert (info["arch"], info["format"], info["signed_by"]) == ("gpt", "shardstack", None)  # --allow-unsigned
     assert info["tokenizer"] == {"name": "bytes", "vocab_size": 256, "bos_token_id": None, "eos_token_ids": []}
-    assert info["limits"] == {"max_concurrency": 8, "max_queue": 64, "max_tokens": 64, "context": 256,
+    assert info["limits"] == {"max_concurrency": 8, "max_queue": 32, "max_tokens": 64, "context": 256,
                               "max_body_bytes": 65536}
     assert info["model_config"]["n_layer"] == 4
 
