@@ -102,16 +102,8 @@ def _prepare_on_cluster(args: argparse.Namespace) -> int:
 
 
 def _put(args: argparse.Namespace) -> int:
-    from shardstack.cli.output import console
+    from shardstack.cli.output import report_copy
     from shardstack.ops import cluster
 
-    done = cluster.put_data(args.inventory, args.src, args.name)
-    if args.json:
-        print(json.dumps({"path": done.path, "files": done.files, "bytes": done.bytes, "extra": done.extra},
-                         indent=2))
-        return 0
-    print(done.path)
-    console.print(f"{done.files} file(s), {done.bytes / 2**20:.1f} MiB, sha256 checked on the cluster", highlight=False)
-    if done.extra:
-        console.print(f"also there (from an earlier copy): {', '.join(done.extra)}", highlight=False)
+    report_copy(cluster.put_data(args.inventory, args.src, args.name), as_json=args.json)
     return 0

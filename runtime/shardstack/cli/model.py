@@ -4,11 +4,10 @@
 from __future__ import annotations
 
 import argparse
-import json
 from pathlib import Path
 
 from shardstack.cli.inventory import add_inventory_arg
-from shardstack.cli.output import console
+from shardstack.cli.output import report_copy
 
 
 def register(sub: argparse._SubParsersAction) -> None:
@@ -26,14 +25,5 @@ def register(sub: argparse._SubParsersAction) -> None:
 def _put(args: argparse.Namespace) -> int:
     from shardstack.ops import cluster
 
-    done = cluster.put_model(args.inventory, args.dir, args.name)
-    if args.json:
-        print(json.dumps({"path": done.path, "files": done.files, "bytes": done.bytes, "extra": done.extra},
-                         indent=2))
-        return 0
-    print(done.path)
-    console.print(f"{done.files} file(s), {done.bytes / 2**20:.1f} MiB, sha256 checked on the cluster; use it as "
-                  f"model.init_from: {done.path}", highlight=False)
-    if done.extra:
-        console.print(f"also there (from an earlier copy): {', '.join(done.extra)}", highlight=False)
+    report_copy(cluster.put_model(args.inventory, args.dir, args.name), as_json=args.json, use_as="model.init_from")
     return 0

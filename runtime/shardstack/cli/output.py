@@ -6,6 +6,8 @@ Exit codes mean something to automation: 0 ok, 1 a host or check failed, 2 usage
 from __future__ import annotations
 
 import contextlib
+import dataclasses
+import json
 import time
 from collections.abc import Iterator
 from typing import TYPE_CHECKING
@@ -14,10 +16,25 @@ from rich.console import Console
 from rich.table import Table
 
 if TYPE_CHECKING:
+    from shardstack.ops.cluster import Verified
     from shardstack.ops.runner import RunnerEvent, RunResult
 
 console = Console(stderr=True)  # progress, tables and messages
 stdout = Console()  # reports a command exists to print (e.g. `lab status`)
+
+
+def report_copy(done: Verified, *, as_json: bool, use_as: str = "") -> None:
+    """What `model put` and `data put` print: the path on shared storage on stdout (or the whole record as JSON),
+    what was checked on stderr, and `use_as` (the job-config key the path belongs in)."""
+    if as_json:
+        print(json.dumps(dataclasses.asdict(done), indent=2))
+        return
+    print(done.path)
+    use = f"; use it as {use_as}: {done.path}" if use_as else ""
+    console.print(f"{done.files} file(s), {done.bytes / 2**20:.1f} MiB, sha256 checked on the cluster{use}",
+                  highlight=False)
+    if done.extra:
+        console.print(f"also there (from an earlier copy): {', '.join(done.extra)}", highlight=False)
 
 EXIT_OK, EXIT_FAILED_HOSTS, EXIT_USAGE = 0, 1, 2
 

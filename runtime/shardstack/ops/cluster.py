@@ -6,6 +6,7 @@ HTTPS to the load balancer, trusting the cluster CA), so it works the same on th
 from __future__ import annotations
 
 import functools
+import hashlib
 import json
 import re
 import shlex
@@ -215,13 +216,8 @@ def local_checksums(src: Path) -> dict[str, str]:
 
 
 def _sha256(path: Path) -> str:
-    import hashlib
-
-    h = hashlib.sha256()
     with path.open("rb") as f:
-        for block in iter(lambda: f.read(1 << 20), b""):
-            h.update(block)
-    return h.hexdigest()
+        return hashlib.file_digest(f, "sha256").hexdigest()
 
 
 def checksum_argv(dest: str) -> list[str]:
