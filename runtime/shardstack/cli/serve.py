@@ -8,6 +8,7 @@ import argparse
 import json
 import logging
 import os
+import ssl
 from collections.abc import Callable
 from pathlib import Path
 
@@ -62,6 +63,12 @@ def register(sub: argparse._SubParsersAction) -> None:
                    help="where the verified private copy of the model is made while it loads (default /var/tmp)")
     p.add_argument("--token-file", type=Path, default=None,
                    help="file holding a bearer token required on /v1/* and /info")
+    p.add_argument("--tls-cert", type=Path, default=None, metavar="FILE",
+                   help="PEM certificate (chain): serve HTTPS, TLS 1.2 or newer, so the load balancer reaches this "
+                        "node over TLS with the cluster CA; needs --tls-key. systemd hands it as a credential of "
+                        "the unit (default: plain HTTP)")
+    p.add_argument("--tls-key", type=Path, default=None, metavar="FILE",
+                   help="PEM private key of --tls-cert; systemd hands it as a credential of the unit")
     p.add_argument("--engine", default="builtin", choices=["builtin", "vllm"],
                    help="builtin (default) or vllm: vLLM's server, run by a Python that has vLLM (docs/serving.md); "
                         "the built-in engine's --max-queue, --max-tokens, --max-body-bytes, --device, --stall-seconds "
@@ -113,6 +120,27 @@ def _read_token(path: Path) -> str:
     return token
 
 
+def _check_tls(cert: Path | None, key: Path | None) -> None:
+    """Both or neither; readable; a certificate and its key. Checked before the model loads, so a bad pair is one
+    line and exit 2, not a traceback from the server's start."""
+    if cert is None and key is None:
+        return
+    if cert is None or key is None:
+        raise ShardstackError("--tls-cert and --tls-key go together: both (HTTPS) or neither (plain HTTP)")
+    for flag, path in (("--tls-cert", cert), ("--tls-key", key)):
+        try:
+            path.read_bytes()
+        except OSError as exc:
+            raise ShardstackError(f"cannot read {flag} {path}: {exc.strerror}") from None
+    try:
+        # A password callable: an encrypted key fails here instead of OpenSSL prompting for its pass phrase.
+        ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER).load_cert_chain(cert, key, password=lambda: b"")
+    except ssl.SSLError as exc:
+        why = ("the key does not belong to the certificate" if exc.reason == "KEY_VALUES_MISMATCH"
+               else "not a PEM certificate and an unencrypted PEM private key")
+        raise ShardstackError(f"--tls-cert {cert}, --tls-key {key}: {why}") from None
+
+
 def run(args: argparse.Namespace) -> int:
     if args.model is None:
         raise ShardstackError("`shardstack serve` needs --model DIR (or the action `rollout`)")
@@ -120,6 +148,7 @@ def run(args: argparse.Namespace) -> int:
     if args.max_queue < 0:
         raise ShardstackError("--max-queue must be >= 0")
     token = _read_token(args.token_file) if args.token_file else None
+    _check_tls(args.tls_cert, args.tls_key)
     key = load_key(args)
     if key is None:
         log.warning("serving %s unverified (--allow-unsigned)", args.model)
@@ -172,7 +201,8 @@ def run(args: argparse.Namespace) -> int:
         failpoint=failpoint,
     )
     level = logging.getLogger().getEffectiveLevel()
-    return serve(Service(settings), args.host, args.port, log_level=logging.getLevelName(level).lower())
+    return serve(Service(settings), args.host, args.port, log_level=logging.getLevelName(level).lower(),
+                 tls_cert=args.tls_cert, tls_key=args.tls_key)
 
 
 def _rollout(args: argparse.Namespace) -> int:

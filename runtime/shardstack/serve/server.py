@@ -13,6 +13,7 @@ import logging
 import signal
 import socket
 import time
+from pathlib import Path
 from types import FrameType
 
 import uvicorn
@@ -77,8 +78,10 @@ class DrainingServer(uvicorn.Server):
         self.should_exit = True
 
 
-def serve(service: Service, host: str, port: int, *, log_level: str = "info") -> int:
-    """Serve until drained or failed; the return value is the process exit code."""
+def serve(service: Service, host: str, port: int, *, log_level: str = "info", tls_cert: Path | None = None,
+          tls_key: Path | None = None) -> int:
+    """Serve until drained or failed; the return value is the process exit code. With `tls_cert` and `tls_key`
+    (PEM): HTTPS only on the port."""
     config = uvicorn.Config(
         create_app(service),
         host=host,
@@ -89,6 +92,10 @@ def serve(service: Service, host: str, port: int, *, log_level: str = "info") ->
         # After the drain only finished responses are left to flush; keep-alive sockets close at once.
         timeout_graceful_shutdown=5,
         timeout_keep_alive=5,
+        # uvicorn builds its context with ssl.PROTOCOL_TLS_SERVER, whose floor is TLS 1.2 since Python 3.10 (we
+        # need 3.11): older clients are refused (tested). No client certificates: the bearer token authenticates.
+        ssl_certfile=str(tls_cert) if tls_cert else None,
+        ssl_keyfile=str(tls_key) if tls_key else None,
     )
     server = DrainingServer(config, service)
     server.run()

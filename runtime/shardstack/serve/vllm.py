@@ -5,6 +5,7 @@ is ours around the real engine:
 - the export is verified and staged exactly as for the built-in engine (model.manifest), and vLLM loads the copy;
 - the bearer token is checked by `BearerAuth`, an ASGI middleware vLLM loads by import path, which gets the token
   from this process's memory: never in vLLM's arguments (it logs them) nor in an environment its workers inherit;
+- with --tls-cert/--tls-key vLLM serves HTTPS itself (its --ssl-certfile/--ssl-keyfile);
 - vLLM has no sd_notify: `HealthNotifier` polls vLLM's own /health and sends READY=1 on the first 200 and a
   watchdog ping after each later one, so systemd restarts a server whose /health hangs or fails.
 The settings map onto vLLM's: `vllm_argv` is the whole mapping.
@@ -19,6 +20,7 @@ import json
 import logging
 import os
 import shutil
+import ssl
 import sys
 import threading
 import time
@@ -52,6 +54,8 @@ class VllmOptions:
     tensor_parallel: int
     dtype: str
     drain_seconds: float
+    tls_cert: Path | None = None  # PEM; with tls_key: HTTPS
+    tls_key: Path | None = None
 
 
 def vllm_argv(o: VllmOptions) -> list[str]:
@@ -67,6 +71,8 @@ def vllm_argv(o: VllmOptions) -> list[str]:
             "--disable-access-log-for-endpoints", "/health,/metrics,/ping"]
     if o.context is not None:
         argv += ["--max-model-len", str(o.context)]
+    if o.tls_cert is not None and o.tls_key is not None:  # paths only: the key stays in its file
+        argv += ["--ssl-certfile", str(o.tls_cert), "--ssl-keyfile", str(o.tls_key)]
     return argv
 
 
@@ -128,10 +134,17 @@ class HealthNotifier(threading.Thread):
     def __init__(self, url: str, notifier: Notifier, staged: Staged | None, name: str) -> None:
         super().__init__(name="shardstack-vllm-health", daemon=True)
         self.url, self.notifier, self.staged, self.name = url, notifier, staged, name
+        self.context: ssl.SSLContext | None = None
+        if url.startswith("https:"):
+            # Unverified on purpose: this polls our own child server on the local address (its certificate names
+            # the node, for the load balancer) and sends no secret, so there is nothing to protect.
+            self.context = ssl.SSLContext(ssl.PROTOCOL_TLS_CLIENT)
+            self.context.check_hostname = False
+            self.context.verify_mode = ssl.CERT_NONE
 
     def healthy(self, timeout: float) -> bool:
         try:
-            with urllib.request.urlopen(self.url, timeout=timeout) as r:
+            with urllib.request.urlopen(self.url, timeout=timeout, context=self.context) as r:
                 return r.status == 200
         except (OSError, urllib.error.URLError):
             return False
@@ -188,12 +201,14 @@ def run(args: argparse.Namespace, key: SigningKey | None, token: str | None) -> 
     options = VllmOptions(model=staged.path if staged else args.model, name=name, host=args.host, port=args.port,
                           max_concurrency=args.max_concurrency, context=args.context,
                           max_prefill_tokens=args.max_prefill_tokens, tensor_parallel=args.tensor_parallel,
-                          dtype=args.dtype, drain_seconds=args.drain_seconds)
+                          dtype=args.dtype, drain_seconds=args.drain_seconds, tls_cert=args.tls_cert,
+                          tls_key=args.tls_key)
     os.environ.update(OFFLINE)
     if not _has_cuda():
         os.environ.update(cpu_environment(args.threads, args.kv_cache_gib, os.sched_getaffinity(0)))
     _token = token
-    HealthNotifier(f"http://{_url_host(args.host)}:{args.port}/health", Notifier(), staged, name).start()
+    scheme = "https" if options.tls_cert else "http"
+    HealthNotifier(f"{scheme}://{_url_host(args.host)}:{args.port}/health", Notifier(), staged, name).start()
     sys.argv = [f"{sys.argv[0]} serve --engine vllm", *vllm_argv(options)]
     try:
         vllm_main()
