@@ -26,6 +26,7 @@ import json
 import os
 import re
 import secrets
+import ssl
 import statistics
 import subprocess
 import sys
@@ -359,11 +360,13 @@ def test_a_hung_engine_is_killed_by_the_watchdog_and_serves_again(lab3: Cluster)
     # One completion straight to the victim's service, from the victim itself with the token file the service
     # reads (the token never appears on a command line). The request hangs until systemd kills the process.
     addr = cluster.address(lab3.inv, victim)
-    probe = ("import json, sys, urllib.request\n"
+    probe = ("import json, ssl, sys, urllib.request\n"
              f"body = json.dumps({{'prompt': 'x', 'max_tokens': 2}}).encode()\n"
-             f"r = urllib.request.Request('http://{addr}:{port}/v1/completions', data=body, "
+             f"r = urllib.request.Request('https://{addr}:{port}/v1/completions', data=body, "
              "headers={'Content-Type': 'application/json', 'Authorization': 'Bearer ' + sys.stdin.read().strip()})\n"
-             "try:\n    urllib.request.urlopen(r, timeout=120)\nexcept Exception as e:\n    print(type(e).__name__)\n")
+             "ctx = ssl.create_default_context(cafile='/etc/shardstack/cluster-ca.crt')\n"
+             "try:\n    urllib.request.urlopen(r, timeout=120, context=ctx)\n"
+             "except Exception as e:\n    print(type(e).__name__)\n")
     token_file = "/etc/shardstack/inference.token"
     started = time.monotonic()
     hung = run_command(["sh", "-c", f"python3 -c \"$0\" < {token_file} 2>&1 || true", probe], lab3.inventory,
@@ -525,18 +528,23 @@ def test_a_loop_of_1mib_prompts_leaves_another_client_served(lab3: Cluster) -> N
     assert after == downs  # no backend went DOWN
 
 
-def _backend_requests(inv: dict, host: str) -> float:
+def _backend_metrics(lab3: Cluster, host: str) -> str:
+    """A backend's /metrics, over HTTPS verified against the cluster CA (as Prometheus scrapes it)."""
+    port = cluster.setting(lab3.inv, "inference_service_port", "inference_service", "inference_nodes")
+    ctx = ssl.create_default_context(cafile=cluster.load_cluster_ca(lab3.inventory))
+    url = f"https://{cluster.address(lab3.inv, host)}:{port}/metrics"
+    with urllib.request.urlopen(url, timeout=10, context=ctx) as resp:
+        return resp.read().decode()
+
+
+def _backend_requests(lab3: Cluster, host: str) -> float:
     """Requests a backend answered (shardstack_infer_requests_total, every label), from its /metrics."""
-    port = cluster.setting(inv, "inference_service_port", "inference_service", "inference_nodes")
-    with urllib.request.urlopen(f"http://{cluster.address(inv, host)}:{port}/metrics", timeout=10) as resp:
-        text = resp.read().decode()
+    text = _backend_metrics(lab3, host)
     return sum(float(m[1]) for m in re.finditer(r"^shardstack_infer_requests_total\{[^}]*\} (\S+)$", text, re.M))
 
 
-def _backend_running(inv: dict, host: str) -> float:
-    port = cluster.setting(inv, "inference_service_port", "inference_service", "inference_nodes")
-    with urllib.request.urlopen(f"http://{cluster.address(inv, host)}:{port}/metrics", timeout=10) as resp:
-        text = resp.read().decode()
+def _backend_running(lab3: Cluster, host: str) -> float:
+    text = _backend_metrics(lab3, host)
     m = re.search(r"^shardstack_infer_requests_running (\S+)$", text, re.M)
     return float(m[1]) if m else 0.0
 
@@ -564,11 +572,11 @@ def test_a_request_that_kills_its_backend_is_not_replayed_on_another(lab3: Clust
             time.sleep(2)
         # Only the victim takes the request; then the other is back in, where a replay would go.
         cordon.apply(other, "cordon", lab3.inventory, inv["groups"], socket=socket)
-        before = _backend_requests(inv, other)
+        before = _backend_requests(lab3, other)
         sender = threading.Thread(target=lambda: result.update(c=cluster.complete(ep, "x", max_tokens=2, timeout=120)))
         sender.start()
         deadline = time.monotonic() + 30
-        while _backend_running(inv, victim) < 1:
+        while _backend_running(lab3, victim) < 1:
             assert time.monotonic() < deadline, "the request never reached the armed backend"
             time.sleep(0.5)
         cordon.apply(other, "uncordon", lab3.inventory, inv["groups"], socket=socket)
@@ -577,7 +585,7 @@ def test_a_request_that_kills_its_backend_is_not_replayed_on_another(lab3: Clust
         kill = f"rm -f {dropin} && systemctl daemon-reload && systemctl kill -s KILL shardstack-inference.service"
         assert run_command(["sh", "-c", kill], lab3.inventory, victim)[victim].success
         sender.join(timeout=120)
-        after = _backend_requests(inv, other)
+        after = _backend_requests(lab3, other)
     finally:
         run_command(["sh", "-c", f"rm -f {dropin} && systemctl daemon-reload"], lab3.inventory, victim)
         cordon.apply(other, "uncordon", lab3.inventory, inv["groups"], socket=socket)

@@ -10,6 +10,7 @@ from typing import Any
 
 import pytest
 import yaml
+from ansible_vars import load_module
 from shardstack.lab.inventory import group_layout
 
 from .conftest import DASHBOARDS_DIR, REPO, ROLES, RULES_DIR, load_filter_module, role_vars, run, tool
@@ -105,6 +106,12 @@ def _render_prometheus(tmp_path: Path, **overrides: Any) -> Path:
     (tmp_path / "rules" / role["__prometheus_builtin_rules_file"]).write_text(role.render("shardstack.rules.yml.j2"))
     config = tmp_path / "prometheus.yml"
     config.write_text(role.render("prometheus.yml.j2"))
+    # The cluster CA the role copies beside it, as shardstack_common's module creates it (promtool checks that the
+    # https jobs' CA file is there).
+    cc = load_module(ROLES / "shardstack_common" / "library" / "cluster_certificate.py")
+    ca = Path(role["__prometheus_cluster_ca"])
+    cc.apply(cc.plan_ca(ca, tmp_path / "ca.key"), ca, tmp_path / "ca.key", None, None, [],
+             ca_common_name="test cluster CA", valid_days=1)
     return config
 
 
@@ -124,6 +131,10 @@ def test_prometheus_config_passes_promtool(tmp_path: Path) -> None:
     assert set(jobs) == {j["name"] for j in DEFAULT_JOBS}
     targets = targets_filter(DEFAULT_JOBS, *inventory_groups(REPO / "inventory" / "sample" / "hosts.yml"))
     assert {name: job["static_configs"] for name, job in jobs.items()} == targets
+    # The inference service speaks HTTPS only, verified against the cluster CA; the exporters are plain HTTP.
+    assert jobs["inference"]["scheme"] == "https"
+    assert jobs["inference"]["tls_config"] == {"ca_file": str(tmp_path / "cluster-ca.crt")}
+    assert {n for n, j in jobs.items() if "scheme" in j} == {"inference"}
     relabel = jobs["node"]["metric_relabel_configs"][0]
     assert re.fullmatch(relabel["regex"], "node_filesystem_avail_bytes;/srv/shardstack")
     assert not re.fullmatch(relabel["regex"], "node_filesystem_avail_bytes;/srv/shardstack2")

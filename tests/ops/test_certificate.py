@@ -112,3 +112,14 @@ def test_client_certificates_for_the_journal_and_a_changed_usage_reissues(tmp_pa
     assert cc.plan(*files.values(), ["node2"], renew_days=30, usage="client").reasons == []
     assert cc.plan(*files.values(), ["node2"], renew_days=30, usage="server").reasons == [
         f"re-issue {files['cert']}: not a server certificate"]
+
+
+def test_the_ca_alone_for_a_role_that_only_verifies_and_then_a_certificate_it_signs(tmp_path: Path) -> None:
+    files = store_files(tmp_path / "credentials", "prometheus")
+    p = cc.plan_ca(files["ca_cert"], files["ca_key"])
+    assert p.reasons == [f"new cluster CA: {files['ca_cert']}"] and not p.issue
+    cc.apply(p, files["ca_cert"], files["ca_key"], None, None, [], ca_common_name="test cluster CA", valid_days=90)
+    assert files["ca_cert"].is_file() and not files["key"].exists() and not files["cert"].exists()
+    assert cc.plan_ca(files["ca_cert"], files["ca_key"]).reasons == []
+    assert plan(files).reasons == [f"new server key: {files['key']}", f"new server certificate for "
+                                   f"{', '.join(NAMES)}: {files['cert']}"]  # the same CA signs it

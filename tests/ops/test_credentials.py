@@ -9,7 +9,7 @@ import pytest
 import yaml
 from ansible import constants as C
 from shardstack.errors import ShardstackError
-from shardstack.ops.cluster import CLUSTER_CA, endpoint, load_ca, load_token
+from shardstack.ops.cluster import CLUSTER_CA, endpoint, load_ca, load_cluster_ca, load_token
 
 from .conftest import role_value, store_files
 
@@ -115,3 +115,7 @@ def test_clients_follow_an_overridden_ca_store_port_or_certificate(tmp_path: Pat
     assert load_ca(named) == Path("/pki/ca.crt")
     public = _lb_inventory(tmp_path / "c", loadbalancer_tls_cert="/pki/lb.crt", loadbalancer_tls_key="/pki/lb.key")
     assert load_ca(public) is None  # an own certificate without a CA named: the system's trust store
+    # The backends' certificates always come from the cluster CA, whatever the edge's certificate.
+    assert load_cluster_ca(public) == public.parent / "credentials" / CLUSTER_CA
+    assert load_cluster_ca(named) == named.parent / "credentials" / CLUSTER_CA
+    assert load_cluster_ca(moved) == moved.parent / "pki" / CLUSTER_CA

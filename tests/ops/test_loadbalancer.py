@@ -64,7 +64,7 @@ class Backend(http.server.ThreadingHTTPServer):
     running it: the connection closes with no answer), when `gate` is set only once the test sets that event.
     `in_flight`/`max_in_flight` count the POSTs being answered."""
 
-    def __init__(self, addr: str, port: int, name: str) -> None:
+    def __init__(self, addr: str, port: int, name: str, store: Path) -> None:
         self.name, self.health, self.post, self.hits = name, 200, 200, Counter()
         self.gate: threading.Event | None = None
         self.in_flight = self.max_in_flight = 0
@@ -73,6 +73,12 @@ class Backend(http.server.ThreadingHTTPServer):
         self.request_ids: list[str | None] = []
         self.seen: list[tuple[str | None, str | None]] = []  # (Authorization, X-Shardstack-Client) of each POST
         super().__init__((addr, port), _Handler)
+        # HTTPS with a certificate of the cluster CA in `store`, for its inventory name, as the role issues it. The
+        # handshake happens in the handler's thread, not in the accepting one.
+        files = issue(store, name, [name, addr])
+        tls = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
+        tls.load_cert_chain(files["cert"], files["key"])
+        self.socket = tls.wrap_socket(self.socket, server_side=True, do_handshake_on_connect=False)
         threading.Thread(target=self.serve_forever, daemon=True).start()
 
     def handle_error(self, request: object, client_address: object) -> None:
@@ -159,7 +165,8 @@ def running_haproxy(tmp_path: Path, files: dict[str, Path], backends: dict[str, 
                  "loadbalancer_bind": "127.0.0.1", "loadbalancer_stats_bind": "127.0.0.1",
                  "loadbalancer_tls_pem": str(pem), "loadbalancer_backend_port": backend_port,
                  "loadbalancer_admin_socket": str(tmp_path / "admin.sock"), "loadbalancer_health_interval_ms": 200,
-                 "__loadbalancer_stats_crypt": {"stdout": stats_crypt(stats_password)}, **ports, **overrides}
+                 "__loadbalancer_stats_crypt": {"stdout": stats_crypt(stats_password)},
+                 "__loadbalancer_backend_ca": str(files["ca_cert"]), **ports, **overrides}
     cfg = render("loadbalancer", "haproxy.cfg.j2", **variables)
     # Not as a daemon, not chrooted, not switching users: the test's own process tree, cleaned up below.
     local_only = ("daemon", "chroot /var/lib/haproxy", "user haproxy", "group haproxy")
@@ -188,7 +195,8 @@ def running_haproxy(tmp_path: Path, files: dict[str, Path], backends: dict[str, 
 def lb(tmp_path: Path) -> Iterator[dict]:
     files = issue(tmp_path / "credentials", "lb", ["lb", "127.0.0.1"])
     backend_port = free_port()
-    a, b = Backend("127.0.0.2", backend_port, "a"), Backend("127.0.0.3", backend_port, "b")
+    store = tmp_path / "credentials"
+    a, b = Backend("127.0.0.2", backend_port, "a", store), Backend("127.0.0.3", backend_port, "b", store)
     try:
         with running_haproxy(tmp_path, files, {"a": "127.0.0.2", "b": "127.0.0.3"}, backend_port,
                              loadbalancer_rate_limit_requests=40) as running:
@@ -246,10 +254,12 @@ def test_each_server_gets_what_its_service_admits_unless_set() -> None:
               "__loadbalancer_stats_crypt": {"stdout": "$6$x$y"}, "loadbalancer_stats_bind": "10.0.0.1"}
     cfg = render("loadbalancer", "haproxy.cfg.j2", **common)
     # The service's defaults where the inventory sets nothing, the inventory's limits and address where it does.
-    assert f"server n2 10.0.0.2:8000 maxconn {admits}\n" in cfg
-    assert "server n3 10.1.0.3:8000 maxconn 10\n" in cfg
+    tls = " ssl verify required ca-file /etc/haproxy/cluster-ca.crt verifyhost"  # HTTPS, for the inventory name
+    assert f"server n2 10.0.0.2:8000 maxconn {admits}{tls} n2\n" in cfg
+    assert f"server n3 10.1.0.3:8000 maxconn 10{tls} n3\n" in cfg
     cfg = render("loadbalancer", "haproxy.cfg.j2", loadbalancer_server_maxconn=3, **common)
-    assert "server n2 10.0.0.2:8000 maxconn 3\n" in cfg and "server n3 10.1.0.3:8000 maxconn 3\n" in cfg
+    assert f"server n2 10.0.0.2:8000 maxconn 3{tls} n2\n" in cfg
+    assert f"server n3 10.1.0.3:8000 maxconn 3{tls} n3\n" in cfg
 
 
 def test_prometheus_scrapes_the_metrics_listener_not_the_stats_page() -> None:
@@ -447,7 +457,8 @@ def test_requests_beyond_every_servers_maxconn_wait_in_haproxys_queue(tmp_path: 
     servers' and HAProxy's state, not for requests to arrive within some window of each other."""
     files = issue(tmp_path / "credentials", "lb", ["127.0.0.1"])
     port = free_port()
-    a, b = Backend("127.0.0.2", port, "a"), Backend("127.0.0.3", port, "b")
+    store = files["ca_cert"].parent
+    a, b = Backend("127.0.0.2", port, "a", store), Backend("127.0.0.3", port, "b", store)
     a.gate = b.gate = gate = threading.Event()
     try:
         with running_haproxy(tmp_path, files, {"a": "127.0.0.2", "b": "127.0.0.3"}, port,
@@ -492,7 +503,8 @@ def _two_backends(tmp_path: Path, **overrides: object) -> Iterator[dict]:
     """HAProxy with the role's configuration (and `overrides`) in front of backends a and b, both UP."""
     files = issue(tmp_path / "credentials", "lb", ["127.0.0.1"])
     port = free_port()
-    a, b = Backend("127.0.0.2", port, "a"), Backend("127.0.0.3", port, "b")
+    store = files["ca_cert"].parent
+    a, b = Backend("127.0.0.2", port, "a", store), Backend("127.0.0.3", port, "b", store)
     try:
         with running_haproxy(tmp_path, files, {"a": "127.0.0.2", "b": "127.0.0.3"}, port, **overrides) as running:
             wait_up(running["metrics"], {"a", "b"})
@@ -666,13 +678,14 @@ def test_validate_probes_over_https_and_no_secret_reaches_the_runner_artifacts(t
     assert creds.success, {h: (r.failed_task, r.message) for h, r in creds.hosts.items()}
     files = store_files(store, "lb")
     password = (store / "loadbalancer-stats.txt").read_text().strip()
-    a, b = Backend("127.0.0.2", port, "a"), Backend("127.0.0.3", port, "b")
+    a, b = Backend("127.0.0.2", port, "a", store), Backend("127.0.0.3", port, "b", store)
     try:
         with running_haproxy(tmp_path, files, {"a": "127.0.0.2", "b": "127.0.0.3"}, port, stats_password=password,
                              loadbalancer_tls_port=tls_port) as running:
             wait_up(running["metrics"], {"a", "b"})
             val = run_playbook("playbooks/validate.yml", inv, tags="validate_inference",
-                               extravars={"validate_inference_port": port}, artifacts=art)
+                               extravars={"validate_inference_port": port,
+                                          "validate_backend_ca": str(files["ca_cert"])}, artifacts=art)
     finally:
         for server in (a, b):
             server.shutdown()

@@ -75,10 +75,13 @@ def test_the_token_reaches_the_service_as_a_systemd_credential(inference_unit: s
     # systemd (root) reads the root-only file and hands the service its own copy in $CREDENTIALS_DIRECTORY (%d);
     # the file itself is never readable by the service account, which also runs training jobs.
     credentials = [line.partition("=")[2] for line in inference_unit.splitlines() if line.startswith("LoadCredential=")]
-    assert credentials == ["token:/etc/shardstack/inference.token",
+    assert credentials == ["token:/etc/shardstack/inference.token", "tls-cert:/etc/shardstack/inference-tls.crt",
+                           "tls-key:/etc/shardstack/inference-tls.key",
                            "signing-key:/etc/shardstack/inference-signing.key"]
     args = build_parser(exec_argv(inference_unit)[1:]).parse_args(exec_argv(inference_unit)[1:])
     assert str(args.token_file) == "%d/token"
+    # HTTPS only, with the certificate the cluster CA issued the node (its key root's alone, like the token).
+    assert (str(args.tls_cert), str(args.tls_key)) == ("%d/tls-cert", "%d/tls-key")
     # The export is verified against its signed manifest with the cluster key (model.manifest)...
     assert str(args.key_file) == "%d/signing-key" and not args.allow_unsigned
 
@@ -89,8 +92,7 @@ def test_an_unsigned_model_is_served_only_when_the_inventory_says_so() -> None:
                   ansible_host="10.0.0.2", inference_service_allow_unsigned=True)
     args = build_parser(exec_argv(unit)[1:]).parse_args(exec_argv(unit)[1:])
     assert args.allow_unsigned
-    assert [line for line in unit.splitlines() if line.startswith("LoadCredential=")] == [
-        "LoadCredential=token:/etc/shardstack/inference.token"]
+    assert "LoadCredential=signing-key" not in unit and "--key-file" not in unit
 
 
 def vllm_unit(**variables: object) -> str:
@@ -109,6 +111,7 @@ def test_a_vllm_node_runs_vllm_from_its_venv_in_the_same_hardened_unit(inference
     # The same credentials, readiness, watchdog and sandbox as the built-in engine's unit.
     builtin, vllm = unit_sections(inference_unit)["Service"], unit_sections(unit)["Service"]
     assert str(args.token_file) == "%d/token" and str(args.key_file) == "%d/signing-key"
+    assert (str(args.tls_cert), str(args.tls_key)) == ("%d/tls-cert", "%d/tls-key")
     same = {k: v for k, v in builtin.items() if k not in ("ExecStart", "Environment", "Restart")}
     assert vllm["Restart"] == "always"  # it exits 0 when its engine process died
     assert {k: vllm[k] for k in same} == same

@@ -29,13 +29,14 @@ description:
     missing; (re-)issues the server certificate when it is missing, its subject alternative names differ from
     O(names), its extended key usage is not O(usage), it expires within O(renew_days) days, or the CA did not sign
     it. Supports check mode.
+  - Without O(cert), O(key) and O(names), only the CA (for a role that verifies peers and is issued nothing).
 options:
   ca_cert: {description: CA certificate (PEM)., type: path, required: true}
   ca_key: {description: CA private key (PEM, 0600)., type: path, required: true}
-  cert: {description: Server certificate (PEM)., type: path, required: true}
-  key: {description: Server private key (PEM, 0600)., type: path, required: true}
+  cert: {description: Server certificate (PEM)., type: path}
+  key: {description: Server private key (PEM, 0600)., type: path}
   names: {description: DNS names and IP addresses the certificate is valid for; the first is its subject., type: list,
-          elements: str, required: true}
+          elements: str}
   usage: {description: "What the certificate is for: TLS server, TLS client, or both (extended key usage).",
           type: str, choices: [server, client, both], default: server}
   ca_common_name: {description: The CA's subject., type: str, default: shardstack cluster CA}
@@ -123,12 +124,8 @@ def _load_key(path: Path):
     return serialization.load_pem_private_key(path.read_bytes(), password=None)
 
 
-def plan(ca_cert: Path, ca_key: Path, cert: Path, key: Path, names: list[str], *, renew_days: int,
-         usage: str = "server") -> Plan:
-    """What has to be created or re-issued, with a reason each."""
-    from cryptography.exceptions import InvalidSignature
-    from cryptography.hazmat.primitives import serialization
-
+def plan_ca(ca_cert: Path, ca_key: Path) -> Plan:
+    """Whether the CA has to be created."""
     p = Plan()
     if ca_cert.exists() != ca_key.exists():
         have, missing = (ca_cert, ca_key) if ca_cert.exists() else (ca_key, ca_cert)
@@ -137,6 +134,16 @@ def plan(ca_cert: Path, ca_key: Path, cert: Path, key: Path, names: list[str], *
     if not ca_cert.exists():
         p.new_ca = True
         p.reasons.append(f"new cluster CA: {ca_cert}")
+    return p
+
+
+def plan(ca_cert: Path, ca_key: Path, cert: Path, key: Path, names: list[str], *, renew_days: int,
+         usage: str = "server") -> Plan:
+    """What has to be created or re-issued, with a reason each."""
+    from cryptography.exceptions import InvalidSignature
+    from cryptography.hazmat.primitives import serialization
+
+    p = plan_ca(ca_cert, ca_key)
     if not key.exists():
         p.new_key = True
         p.reasons.append(f"new {_role(usage)} key: {key}")
@@ -195,7 +202,7 @@ def _key_pem(k) -> bytes:
                            serialization.NoEncryption())
 
 
-def apply(p: Plan, ca_cert: Path, ca_key: Path, cert: Path, key: Path, names: list[str], *,
+def apply(p: Plan, ca_cert: Path, ca_key: Path, cert: Path | None, key: Path | None, names: list[str], *,
           ca_common_name: str, valid_days: int, usage: str = "server") -> None:
     from cryptography import x509
     from cryptography.hazmat.primitives import hashes, serialization
@@ -246,17 +253,27 @@ def main() -> None:
         argument_spec={
             "ca_cert": {"type": "path", "required": True},
             "ca_key": {"type": "path", "required": True, "no_log": False},
-            "cert": {"type": "path", "required": True},
-            "key": {"type": "path", "required": True, "no_log": False},
-            "names": {"type": "list", "elements": "str", "required": True},
+            "cert": {"type": "path"},
+            "key": {"type": "path", "no_log": False},
+            "names": {"type": "list", "elements": "str"},
             "usage": {"type": "str", "choices": list(USAGES), "default": "server"},
             "ca_common_name": {"type": "str", "default": "shardstack cluster CA"},
             "valid_days": {"type": "int", "default": 397},
             "renew_days": {"type": "int", "default": 30},
         },
+        required_together=[("cert", "key", "names")],
         supports_check_mode=True,
     )
     a = module.params
+    if a["cert"] is None:
+        try:
+            p = plan_ca(Path(a["ca_cert"]), Path(a["ca_key"]))
+            if p.reasons and not module.check_mode:
+                apply(p, Path(a["ca_cert"]), Path(a["ca_key"]), None, None, [], ca_common_name=a["ca_common_name"],
+                      valid_days=a["valid_days"])
+        except (ValueError, OSError) as exc:
+            module.fail_json(msg=str(exc))
+        module.exit_json(changed=bool(p.reasons), reasons=p.reasons, not_after=None)
     paths = [Path(a[k]) for k in ("ca_cert", "ca_key", "cert", "key")]
     names = list(dict.fromkeys(canonical(n) for n in a["names"] if n))  # in order, once each
     if not names:

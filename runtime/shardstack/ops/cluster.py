@@ -370,15 +370,26 @@ def load_token(inventory: Path) -> str | None:
 CLUSTER_CA = "cluster-ca.crt.txt"
 
 
+def _cluster_ca(inv: dict[str, Any], inventory: Path) -> Path:
+    hostvars = _first_hostvars(inv, "loadbalancer")
+    name = "loadbalancer_tls_store"
+    store = _controller_path(inventory, name, str(hostvars.get(name) or _role_default("loadbalancer", name)))
+    return store / CLUSTER_CA
+
+
 def _ca(inv: dict[str, Any], inventory: Path) -> Path | None:
     hostvars = _first_hostvars(inv, "loadbalancer")
     if hostvars.get("loadbalancer_tls_ca"):
         return _controller_path(inventory, "loadbalancer_tls_ca", str(hostvars["loadbalancer_tls_ca"]))
     if hostvars.get("loadbalancer_tls_cert"):
         return None  # the inventory's own certificate and no CA named for it: a publicly trusted one
-    name = "loadbalancer_tls_store"
-    store = _controller_path(inventory, name, str(hostvars.get(name) or _role_default("loadbalancer", name)))
-    return store / CLUSTER_CA
+    return _cluster_ca(inv, inventory)
+
+
+def load_cluster_ca(inventory: Path) -> Path:
+    """The cluster CA's certificate on the controller (in `loadbalancer_tls_store`): what the inference backends'
+    certificates, and the load balancer's unless the inventory brings its own, are verified with."""
+    return _cluster_ca(inventory_hosts(inventory), inventory)
 
 
 def load_ca(inventory: Path) -> Path | None:
