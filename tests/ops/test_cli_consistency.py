@@ -5,6 +5,7 @@ The real CLI in a subprocess (or `main([...])`), on local hosts or a loopback se
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import re
@@ -249,6 +250,12 @@ def test_serve_defaults_are_the_roles() -> None:
     cli = {dest: getattr(args, dest) for dest in SERVE_DEFAULTS}
     want = {dest: None if role[var] == 0 else role[var] for dest, var in SERVE_DEFAULTS.items()}
     assert cli == want
+    # The settings object the CLI fills says the same where a caller leaves a field out.
+    from shardstack.serve.settings import ServeSettings
+    fields = {f.name: f.default for f in dataclasses.fields(ServeSettings)}
+    same = ("max_concurrency", "max_queue", "max_tokens", "context", "max_body_bytes", "max_prefill_tokens", "dtype",
+            "drain_seconds", "stall_seconds")
+    assert {dest: fields[dest] for dest in same} == {dest: want[dest] for dest in same}
     help_text = " ".join(shardstack("serve", "--help").stdout.split())
     for flag, dest in (("--max-concurrency", "max_concurrency"), ("--max-queue", "max_queue"),
                        ("--drain-seconds", "drain_seconds")):

@@ -19,8 +19,8 @@ from shardstack.signing import SigningKey
 class ServeSettings:
     model_dir: Path
     model_name: str | None = None  # default: the model directory's name
-    max_concurrency: int = 16  # requests decoded together = KV-cache slots; 1 turns batching off
-    max_queue: int = 64  # admitted requests waiting for a slot; beyond that: 429
+    max_concurrency: int = 8  # requests decoded together = KV-cache slots; 1 turns batching off
+    max_queue: int = 32  # admitted requests waiting for a slot; beyond that: 429
     max_tokens: int | None = None  # per-request ceiling; default: the model context
     context: int | None = None  # tokens per KV-cache slot, at most the model's (default: the model's)
     max_body_bytes: int | None = None  # None: protocol.default_body_limit of the context and the tokenizer
@@ -31,7 +31,7 @@ class ServeSettings:
     device: str = "auto"  # auto | cpu | cuda | cuda:N
     dtype: str = "auto"  # auto (bf16 on a GPU that has it, else fp32) | float32 | bfloat16 | float16
     stall_seconds: float = 30.0  # /health turns 503 when the engine loop has not iterated for this long
-    drain_seconds: float = 30.0  # on SIGTERM, how long in-flight requests get before they are aborted
+    drain_seconds: float = 20.0  # on SIGTERM, how long in-flight requests get before they are aborted
     access_log: str = "auto"  # auto (journal under journald, else off) | journal | stdout | off: accesslog.py
     journal_socket: str = "/run/systemd/journal/socket"  # journald's native socket (a test's own, in tests)
     failpoint: str | None = None  # test-only fault injection, see scheduler.FAILPOINT_HANG
