@@ -255,6 +255,32 @@ class Load:
             t.join(timeout=90)
 
 
+def test_model_put_and_data_put_copy_as_the_job_account_and_check_every_file(lab3: Cluster, tmp_path: Path) -> None:
+    """The CLI verbs as an operator runs them: the copies belong to the job account (root would be squashed on an
+    NFS export) and every file's sha256 is checked on the node."""
+    model = tmp_path / "tiny-llama"
+    (model / "sub").mkdir(parents=True)
+    (model / "config.json").write_text('{"model_type": "llama"}')
+    (model / "sub" / "weights.bin").write_bytes(os.urandom(65536))
+    corpus = tmp_path / "corpus.txt"
+    corpus.write_text("one line of text\n" * 100)
+    done = {}
+    for verb, src in (("model", model), ("data", corpus)):
+        proc = subprocess.run([sys.executable, "-m", "shardstack", verb, "put", str(src), "--name", f"e2e-{verb}",
+                               "--json", "-i", str(lab3.inventory)], capture_output=True, text=True, timeout=300)
+        assert proc.returncode == 0, proc.stderr
+        done[verb] = json.loads(proc.stdout)
+    assert (done["model"]["files"], done["data"]["files"]) == (2, 1), done
+    head = lab3.inv["groups"]["train_nodes"][0]
+    owners = run_command(["sh", "-c", 'find "$@" -exec stat -c "%U %n" {} +', "sh", done["model"]["path"],
+                          done["data"]["path"]], lab3.inventory, head)[head]
+    assert owners.success, owners
+    account = cluster.job_account(lab3.inv)
+    assert {line.split()[0] for line in owners.stdout.splitlines()} == {account}, owners.stdout
+    print(f"\nmodel put / data put: {done['model']['path']} ({done['model']['files']} files), "
+          f"{done['data']['path']} ({done['data']['files']} file), all owned by {account}")
+
+
 def test_stopping_a_backend_under_load_fails_no_request(lab3: Cluster) -> None:
     ep = cluster.endpoint(lab3.inventory)
     victim = lab3.inv["groups"]["inference_nodes"][-1]

@@ -71,6 +71,13 @@ def test_module_options_reach_the_module_literally(tmp_path: Path, markers: list
     assert oct(dest.stat().st_mode & 0o777) == "0o600"  # "0600" stayed a string: the module read it as octal
 
 
+def test_the_account_a_module_runs_as_is_a_name_or_refused(tmp_path: Path) -> None:
+    # Ad-hoc mode renders --become-user like the host pattern; an account name cannot hold a marker anyway.
+    for user in ("{{ 7*7 }}", "a b", "-x", ""):
+        with pytest.raises(ShardstackError, match="is not an account name"):
+            run_module("ansible.builtin.ping", {}, _inventory(tmp_path), "h1", become_user=user)
+
+
 def test_a_job_config_reaches_the_play_literally(tmp_path: Path, markers: list[Path]) -> None:
     """The reported reproduction: a job config whose data.path holds a pipe lookup, loaded by load_job (which
     accepts any string) and used as train_submit.yml and training_runtime use it."""

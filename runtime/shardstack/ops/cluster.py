@@ -187,11 +187,14 @@ def check_name(name: str, what: str = "name") -> str:
 
 def _copy(inventory: Path, inv: dict[str, Any], src: Path, dest: str, *, become: bool) -> str:
     """Copy a file or directory of this machine into the directory `dest` on the first train node (shared storage,
-    so every node sees it). The copy module compares checksums: unchanged files are not sent again."""
+    so every node sees it), as the job account (`become`): it owns what jobs read and write there, and root would be
+    squashed to nobody on the NFS export (root_squash). The copy module compares checksums: unchanged files are not
+    sent again."""
     head = group(inv, "train_nodes")[0]
     args = {"src": f"{src}/" if src.is_dir() else str(src), "dest": f"{dest}/", "mode": "u=rwX,go=rX",
             "directory_mode": "0755"}
-    res = run_module("ansible.builtin.copy", args, inventory, head, become=become)
+    res = run_module("ansible.builtin.copy", args, inventory, head, become=become,
+                     become_user=job_account(inv) if become else None)
     if head not in res or not res[head].success:
         msg = res[head].message if head in res else "no result"
         raise ShardstackError(f"copying {src} to {head}:{dest} failed: {msg}",

@@ -322,17 +322,21 @@ def run_module(
     pattern: str,
     *,
     become: bool = True,
+    become_user: str | None = None,
     artifacts: Path | None = None,
     timeout: int | None = None,
 ) -> dict[str, CommandResult]:
     """Run one Ansible module (e.g. ansible.builtin.copy) with these options on every host matching `pattern` →
-    per-host results. The options reach the module literally (as `-a` JSON, every string unsafe); the pattern, which
-    ad-hoc mode renders and nothing can mark, may hold no template marker."""
+    per-host results, as root (`become`) or as `become_user`. The options reach the module literally (as `-a` JSON,
+    every string unsafe); the pattern, which ad-hoc mode renders and nothing can mark, may hold no template marker."""
     import ansible_runner
 
     if not re.fullmatch(r"[A-Za-z_][\w.]*", module):
         raise ShardstackError(f"module {module!r} is not a module name")
     _refuse_template(pattern, "host pattern")
+    if become_user is not None and not re.fullmatch(r"[a-z_][a-z0-9_-]{0,31}", become_user):
+        raise ShardstackError(f"{become_user!r} is not an account name")
+    cmdline = (f"--become --become-user {become_user}" if become_user else "--become") if become else None
     # Valid JSON always: ad-hoc mode falls back to k=v parsing (templated) for a `-a` that does not parse.
     args = json.dumps(inert(module_args, "module option"))
     root = project_dir()
@@ -354,7 +358,7 @@ def run_module(
     ansible_runner.run(
         private_data_dir=str(artifacts), host_pattern=pattern, inventory=str(inventory),
         module=module, module_args=args,
-        cmdline="--become" if become else None, timeout=timeout,
+        cmdline=cmdline, timeout=timeout,
         envvars=_ansible_env(root),
         event_handler=handle, quiet=True,
     )
