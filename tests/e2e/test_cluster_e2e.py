@@ -1,9 +1,11 @@
 """End to end on a 3-node lab, through the same Python API the CLI uses (ansible-runner underneath).
 
 site.yml from bare nodes (or, under molecule default's verify, the cluster its converge deployed) and a re-deploy
-from a wheel (0 changed); a 2-node ZeRO-3 job as the systemd unit, one worker killed mid-run and the job
-resuming from its last checkpoint, its metrics in Prometheus;
-export, the inference tier serving the trained model through HAProxy over HTTPS (verified against the cluster CA);
+from a wheel (0 changed); the first day's verbs as the CLI runs them: a Llama made here placed with `model put`, the
+corpus tokenised with it on the cluster (`data prepare --cluster`), both owned by the job account; a 2-node ZeRO-3
+job fine-tuning it as the systemd unit, one worker killed mid-run and the job resuming from its last checkpoint, its
+metrics in Prometheus; `serve publish` (signed export on a train node), the inference tier serving the trained
+model through HAProxy over HTTPS (verified against the cluster CA), HAProxy reaching the backends over TLS too;
 validate with no finding; one backend stopped under steady load and a rolling upgrade to another checkpoint under
 load, each with zero failed client requests and every backend's /info reporting the new step; a hung engine killed
 by systemd's watchdog and serving again; at the edge, named keys (an in-flight limit, a key revoked by one run of
@@ -39,14 +41,17 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
+from shardstack.build.pretrained import CORPUS
 from shardstack.build.wheelhouse import build as build_wheelhouse
 from shardstack.cli.deploy import _gpu_cell
 from shardstack.cli.output import Progress
 from shardstack.lab import lab
+from shardstack.model.tokenizer import train_bpe
 from shardstack.ops import cluster, serve, train
 from shardstack.ops.runner import RunResult, project_dir, run_command, run_playbook
 from shardstack.ops.train import demo_job
 from shardstack.ops.validate import run_validate
+from shardstack.serve.demo import write_random_model
 
 pytestmark = [
     pytest.mark.lab,
@@ -59,6 +64,7 @@ pytestmark = [
 LAB = "e" + hashlib.sha1(str(project_dir()).encode()).hexdigest()[:7]
 JOB = "e2e"
 STEPS = 300
+MODEL = "e2e-llama"  # what `model put` places under <shared>/pretrained
 
 
 class Cluster:
@@ -153,12 +159,47 @@ def _prometheus_max(inv: dict, metric: str) -> float | None:
     return float(result[0]["value"][1]) if result else None
 
 
+def _cli(lab3: Cluster, *args: str, timeout: int = 300) -> dict:
+    """`shardstack ARGS -i INVENTORY --json` as an operator runs it; its JSON."""
+    proc = subprocess.run([sys.executable, "-m", "shardstack", *args, "-i", str(lab3.inventory), "--json"],
+                          capture_output=True, text=True, timeout=timeout)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return json.loads(proc.stdout)
+
+
+def test_a_model_put_from_here_and_its_corpus_prepared_on_the_cluster(lab3: Cluster, tmp_path: Path) -> None:
+    """The first day's verbs: a Hugging Face Llama made here (random weights, a BPE tokenizer trained on the shipped
+    corpus) goes to shared storage with `model put`, the corpus is tokenised with it there by `data prepare
+    --cluster`; both copies belong to the job account (root is squashed on an NFS export), every file's sha256
+    checked on the node."""
+    tok = tmp_path / "tokenizer"
+    train_bpe([CORPUS], 512, tok)
+    model = write_random_model(tmp_path / MODEL, "tiny", seed=7, arch="llama", tokenizer=tok, fmt="hf")
+    put = _cli(lab3, "model", "put", str(model))
+    assert put["path"] == _placed(lab3) and put["files"] == len([f for f in model.rglob("*") if f.is_file()]), put
+    prep = _cli(lab3, "data", "prepare", "--cluster", str(CORPUS), "--out-name", f"corpus-{MODEL}", "--tokenizer",
+                put["path"], timeout=600)
+    assert prep["total_tokens"] > 100_000 and prep["vocab_size"] == 512 and prep["copied"]["files"] == 1, prep
+    head = lab3.inv["groups"]["train_nodes"][0]
+    shared = cluster.shared_dir(lab3.inv)
+    owners = run_command(["sh", "-c", 'find "$@" -exec stat -c %U {} + | sort -u', "sh", put["path"],
+                          f"{shared}/data/corpus-{MODEL}", f"{shared}/data/corpus-{MODEL}-text"], lab3.inventory,
+                         head)[head]
+    assert owners.success and owners.stdout.split() == [cluster.job_account(lab3.inv)], owners
+    print(f"\nmodel put: {put['path']} ({put['files']} files, sha256 checked); data prepare --cluster: "
+          f"{prep['total_tokens']} tokens, vocabulary {prep['vocab_size']}; owned by {owners.stdout.strip()}")
+
+
+def _placed(lab3: Cluster) -> str:
+    return f"{cluster.shared_dir(lab3.inv)}/pretrained/{MODEL}"
+
+
 def test_two_node_job_survives_a_killed_worker(lab3: Cluster) -> None:
-    job = demo_job(STEPS, cluster.shared_dir(lab3.inv), JOB)
+    # Fine-tunes the model `model put` placed, on the corpus `data prepare --cluster` tokenised with it.
+    job = demo_job(STEPS, cluster.shared_dir(lab3.inv), JOB, init_from=_placed(lab3))
     job["checkpoint"]["interval"] = 20
     job["metrics"]["log_every"] = 5
-    # The first job on a fresh lab: the shipped demo corpus is prepared into data.path (asked for, as the demo does).
-    sub = train.submit(job, JOB, lab3.inventory, nodes=2, prepare_demo_data=True)
+    sub = train.submit(job, JOB, lab3.inventory, nodes=2)
     assert sub.success, {h: (r.failed_task, r.message) for h, r in sub.hosts.items()}
     # On a worker node: wait for the step-40 checkpoint on shared storage, then SIGKILL that node's worker (the
     # torchrun agent's child, not the agent). One ad-hoc command, so the kill lands mid-run whatever the host load.
@@ -191,8 +232,10 @@ def test_two_node_job_survives_a_killed_worker(lab3: Cluster) -> None:
 
 
 def test_export_and_serve_through_the_load_balancer(lab3: Cluster) -> None:
-    exp = cluster.export_current(lab3.inventory, cluster.shared_dir(lab3.inv) + f"/checkpoints/{JOB}", JOB)
-    assert f"exported step {STEPS}" in exp.output, exp.output
+    # `serve publish JOB` exports the newest checkpoint on a train node, signed, and switches exports/current; the
+    # rollout is the API's here, with this module's wheelhouse (the CLI's would use the deployed default).
+    pub = _cli(lab3, "serve", "publish", JOB, "--no-rollout", timeout=600)
+    assert pub["step"] == STEPS and pub["signed"] and pub["path"].endswith(f"/exports/{JOB}-step_{STEPS:08d}"), pub
     ro = serve.rollout(lab3.inventory, extravars=lab3.extravars)
     assert ro.success, {h: (r.failed_task, r.message) for h, r in ro.hosts.items()}
     ep = cluster.endpoint(lab3.inventory)
@@ -253,32 +296,6 @@ class Load:
         self.stop.set()
         for t in self.threads:
             t.join(timeout=90)
-
-
-def test_model_put_and_data_put_copy_as_the_job_account_and_check_every_file(lab3: Cluster, tmp_path: Path) -> None:
-    """The CLI verbs as an operator runs them: the copies belong to the job account (root would be squashed on an
-    NFS export) and every file's sha256 is checked on the node."""
-    model = tmp_path / "tiny-llama"
-    (model / "sub").mkdir(parents=True)
-    (model / "config.json").write_text('{"model_type": "llama"}')
-    (model / "sub" / "weights.bin").write_bytes(os.urandom(65536))
-    corpus = tmp_path / "corpus.txt"
-    corpus.write_text("one line of text\n" * 100)
-    done = {}
-    for verb, src in (("model", model), ("data", corpus)):
-        proc = subprocess.run([sys.executable, "-m", "shardstack", verb, "put", str(src), "--name", f"e2e-{verb}",
-                               "--json", "-i", str(lab3.inventory)], capture_output=True, text=True, timeout=300)
-        assert proc.returncode == 0, proc.stderr
-        done[verb] = json.loads(proc.stdout)
-    assert (done["model"]["files"], done["data"]["files"]) == (2, 1), done
-    head = lab3.inv["groups"]["train_nodes"][0]
-    owners = run_command(["sh", "-c", 'find "$@" -exec stat -c "%U %n" {} +', "sh", done["model"]["path"],
-                          done["data"]["path"]], lab3.inventory, head)[head]
-    assert owners.success, owners
-    account = cluster.job_account(lab3.inv)
-    assert {line.split()[0] for line in owners.stdout.splitlines()} == {account}, owners.stdout
-    print(f"\nmodel put / data put: {done['model']['path']} ({done['model']['files']} files), "
-          f"{done['data']['path']} ({done['data']['files']} file), all owned by {account}")
 
 
 def test_stopping_a_backend_under_load_fails_no_request(lab3: Cluster) -> None:
@@ -692,7 +709,8 @@ def test_drain_stops_a_job_at_a_checkpoint_and_the_resubmit_runs_without_the_nod
     inv = lab3.inv
     head, victim = inv["groups"]["train_nodes"][:2]
     name = "e2e-drain"
-    job = demo_job(2000, cluster.shared_dir(inv), name)  # far more steps than it runs: the stop comes from drain
+    # Far more steps than it runs (the stop comes from the drain); the first job's model and corpus.
+    job = demo_job(2000, cluster.shared_dir(inv), name, init_from=_placed(lab3))
     job["schedule"]["warmup_steps"] = 1
     job["checkpoint"]["interval"] = 1000
     job["metrics"]["log_every"] = 1

@@ -109,7 +109,9 @@ def test_a_2_node_job_through_slurm_has_the_systemd_paths_losses_and_its_usage_i
     # The systemd path on the same nodes first (the two would share the head's rendezvous port): the playbook
     # `train submit` runs, told the scheduler is systemd.
     ref = run_playbook("playbooks/train_submit.yml", inv, extravars={
-        "train_job_name": "ref", "train_job_config": _job(inv, "ref", steps, steps), "shardstack_scheduler": "systemd"})
+        "train_job_name": "ref", "train_job_config": _job(inv, "ref", steps, steps), "shardstack_scheduler": "systemd",
+        # The first job on this cluster: its data.path gets the shipped demo corpus, asked for.
+        "train_job_prepare_demo_data": True})
     assert ref.success, {h: (r.failed_task, r.message) for h, r in ref.hosts.items()}
 
     def ref_done() -> bool:

@@ -131,7 +131,7 @@ def submit(config: dict[str, Any], name: str, inventory: Path, *, nodes: int | N
     names the job (its checkpoints record it); `allow_config_change` sets checkpoint.allow_config_change in it.
 
     Its data, checkpoint and init_from paths must be under the shared directory, and data.path must hold a prepared
-    data set on the cluster; `prepare_demo_data` (the demo and the e2e) asks for the shipped demo corpus to be
+    data set on the cluster; `prepare_demo_data` (the demo) asks for the shipped demo corpus to be
     prepared into data.path instead when it holds none."""
     check_job_name(name)
     if config.get("name") not in (None, name):
@@ -164,6 +164,8 @@ def submit(config: dict[str, Any], name: str, inventory: Path, *, nodes: int | N
         extravars["train_job_nodes"] = nodes
     if excluded:
         extravars["train_job_exclude"] = excluded
+    if prepare_demo_data:
+        extravars["train_job_prepare_demo_data"] = True
     return run_playbook("playbooks/train_submit.yml", inventory, extravars=extravars, on_event=on_event)
 
 
