@@ -47,7 +47,7 @@ from shardstack.cli.deploy import _gpu_cell
 from shardstack.cli.output import Progress
 from shardstack.lab import lab
 from shardstack.model.tokenizer import train_bpe
-from shardstack.ops import cluster, serve, train
+from shardstack.ops import cluster, endpoint, serve, storage, train
 from shardstack.ops.runner import RunResult, project_dir, run_command, run_playbook
 from shardstack.ops.train import demo_job
 from shardstack.ops.validate import run_validate
@@ -238,12 +238,12 @@ def test_export_and_serve_through_the_load_balancer(lab3: Cluster) -> None:
     assert pub["step"] == STEPS and pub["signed"] and pub["path"].endswith(f"/exports/{JOB}-step_{STEPS:08d}"), pub
     ro = serve.rollout(lab3.inventory, extravars=lab3.extravars)
     assert ro.success, {h: (r.failed_task, r.message) for h, r in ro.hosts.items()}
-    ep = cluster.endpoint(lab3.inventory)
+    ep = endpoint.endpoint(lab3.inventory)
     assert ep.token and ep.url.startswith("https://") and ep.cafile and ep.cafile.is_file()
-    unauth = cluster.complete(dataclasses.replace(ep, token=None), "The ", max_tokens=4)
+    unauth = endpoint.complete(dataclasses.replace(ep, token=None), "The ", max_tokens=4)
     assert unauth.status == 401
     # Sampled like the demo: greedy decoding of a few hundred CPU steps repeats spaces.
-    answers = [cluster.complete(ep, "The ", max_tokens=16, temperature=0.8) for _ in range(10)]
+    answers = [endpoint.complete(ep, "The ", max_tokens=16, temperature=0.8) for _ in range(10)]
     assert all(a.status == 200 for a in answers), [a.body for a in answers if a.status != 200]
     assert all(len(a.text) > 0 for a in answers)
     p50 = statistics.median(a.seconds for a in answers)
@@ -269,7 +269,7 @@ class Load:
     counting every status (-1 = connection error). The total stays below the load balancer's per-address rate
     limit (loadbalancer_rate_limit_requests per period, 60/s by default), above which it answers 429 by design."""
 
-    def __init__(self, ep: cluster.Endpoint, clients: int = 4, rate: float = 40.0) -> None:
+    def __init__(self, ep: endpoint.Endpoint, clients: int = 4, rate: float = 40.0) -> None:
         self.ep, self.clients = ep, clients
         self.interval = clients / rate
         self.codes: Counter[int] = Counter()
@@ -280,7 +280,7 @@ class Load:
     def _run(self) -> None:
         while not self.stop.is_set():
             started = time.monotonic()
-            c = cluster.complete(self.ep, "Once ", max_tokens=8, timeout=60)
+            c = endpoint.complete(self.ep, "Once ", max_tokens=8, timeout=60)
             with self.lock:
                 self.codes[c.status] += 1
             self.stop.wait(self.interval - (time.monotonic() - started))
@@ -299,7 +299,7 @@ class Load:
 
 
 def test_stopping_a_backend_under_load_fails_no_request(lab3: Cluster) -> None:
-    ep = cluster.endpoint(lab3.inventory)
+    ep = endpoint.endpoint(lab3.inventory)
     victim = lab3.inv["groups"]["inference_nodes"][-1]
     with Load(ep) as load:
         stopped = run_command(["systemctl", "stop", "shardstack-inference.service"], lab3.inventory, victim)
@@ -313,7 +313,7 @@ def test_stopping_a_backend_under_load_fails_no_request(lab3: Cluster) -> None:
     assert set(load.codes) == {200}, dict(load.codes)
 
 
-def _infos(lab3: Cluster, ep: cluster.Endpoint, n: int = 12) -> list[dict]:
+def _infos(lab3: Cluster, ep: endpoint.Endpoint, n: int = 12) -> list[dict]:
     """/info through the load balancer n times (leastconn alternates between idle backends), each answer's "host"
     replaced by that node's inventory name."""
     out = []
@@ -326,14 +326,14 @@ def _infos(lab3: Cluster, ep: cluster.Endpoint, n: int = 12) -> list[dict]:
 
 
 def test_rollout_to_another_step_under_load_fails_no_request(lab3: Cluster) -> None:
-    ep = cluster.endpoint(lab3.inventory)
+    ep = endpoint.endpoint(lab3.inventory)
     backends = set(lab3.inv["groups"]["inference_nodes"])
     before = _infos(lab3, ep)
     assert {i["host"] for i in before} == backends and {i["step"] for i in before} == {STEPS}
     # A different model for the upgrade: the job's previous checkpoint (keep: 2 leaves the last two).
     previous = STEPS - 20
     step_dir = f"{cluster.shared_dir(lab3.inv)}/checkpoints/{JOB}/step_{previous:08d}"
-    exp = cluster.export_current(lab3.inventory, step_dir, f"{JOB}-{previous}")
+    exp = storage.export_current(lab3.inventory, step_dir, f"{JOB}-{previous}")
     assert f"exported step {previous}" in exp.output, exp.output
     with Load(ep) as load:
         ro = serve.rollout(lab3.inventory, extravars=lab3.extravars)
@@ -351,7 +351,7 @@ def test_a_tampered_export_is_refused_while_the_other_replicas_serve(lab3: Clust
     """One byte of the served export changed on the shared storage (as the job account): a restarting replica
     refuses it with one journal line naming the file, the others keep serving, and it serves again once the
     export link is back (docs/serving.md, "Signed exports")."""
-    ep = cluster.endpoint(lab3.inventory)
+    ep = endpoint.endpoint(lab3.inventory)
     head = lab3.inv["groups"]["train_nodes"][0]
     victim = lab3.inv["groups"]["inference_nodes"][-1]
     exports = f"{cluster.shared_dir(lab3.inv)}/exports"
@@ -425,12 +425,12 @@ def test_a_hung_engine_is_killed_by_the_watchdog_and_serves_again(lab3: Cluster)
     assert run_command(["sh", "-c", disarm], lab3.inventory, victim)[victim].success
     state = _backend_show(lab3, victim, "ActiveState,SubState")
     assert state == {"ActiveState": "active", "SubState": "running"}, state
-    ep = cluster.endpoint(lab3.inventory)
+    ep = endpoint.endpoint(lab3.inventory)
     deadline = time.monotonic() + 60
     while {i["host"] for i in _infos(lab3, ep, 6)} != set(lab3.inv["groups"]["inference_nodes"]):
         assert time.monotonic() < deadline, "the restarted backend did not come back behind the load balancer"
         time.sleep(2)
-    answers = [cluster.complete(ep, "The ", max_tokens=8) for _ in range(6)]
+    answers = [endpoint.complete(ep, "The ", max_tokens=8) for _ in range(6)]
     print(f"\n{victim}: engine hung, killed by the watchdog after {waited:.0f}s (client saw "
           f"{hung.stdout.strip() or 'no error'}), NRestarts {restarts} -> {after}; then {[a.status for a in answers]}")
     assert all(a.status == 200 for a in answers)
@@ -448,7 +448,7 @@ def _edge(lab3: Cluster, keys: list[dict] | None) -> float:
 
 
 def test_named_keys_limit_their_requests_in_flight_and_one_tag_run_revokes_a_key(lab3: Cluster) -> None:
-    ep = cluster.endpoint(lab3.inventory)
+    ep = endpoint.endpoint(lab3.inventory)
     # Keys generated by the role into the controller's store (never passed as extra vars, so no runner artifact
     # holds them; the secrets scan at the end reads that store and looks for them everywhere).
     keys = [{"name": "e2ealpha"}, {"name": "e2ebeta", "concurrency": 1}]
@@ -458,13 +458,13 @@ def test_named_keys_limit_their_requests_in_flight_and_one_tag_run_revokes_a_key
                    for k in keys)
     stranger = dataclasses.replace(ep, token=secrets.token_urlsafe(32))
     try:
-        unknown = cluster.complete(stranger, "x", max_tokens=1)
+        unknown = endpoint.complete(stranger, "x", max_tokens=1)
         # beta sends 8 at once against its limit of 1 in flight, alpha 2 beside them (the same client address).
         start = threading.Barrier(10)
 
-        def call(key: cluster.Endpoint) -> int:
+        def call(key: endpoint.Endpoint) -> int:
             start.wait(timeout=30)
-            return cluster.complete(key, "Once upon a time ", max_tokens=32, timeout=60).status
+            return endpoint.complete(key, "Once upon a time ", max_tokens=32, timeout=60).status
 
         with ThreadPoolExecutor(10) as pool:
             futures = [pool.submit(call, beta) for _ in range(8)] + [pool.submit(call, alpha) for _ in range(2)]
@@ -473,8 +473,8 @@ def test_named_keys_limit_their_requests_in_flight_and_one_tag_run_revokes_a_key
         # Revoke beta: remove it and run the stage once, under alpha's steady load.
         with Load(alpha, clients=2, rate=10) as load:
             took = _edge(lab3, keys[:1])
-            revoked = cluster.complete(beta, "x", max_tokens=1)
-            kept = cluster.complete(alpha, "x", max_tokens=1)
+            revoked = endpoint.complete(beta, "x", max_tokens=1)
+            kept = endpoint.complete(alpha, "x", max_tokens=1)
     finally:
         _edge(lab3, None)
     print(f"\nnamed keys: unknown {unknown.status}; beta (1 in flight) x8 at once {dict(beta_codes)}, alpha "
@@ -530,7 +530,7 @@ def _check_downs(inv: dict) -> dict[str, float]:
 
 def test_a_loop_of_1mib_prompts_leaves_another_client_served(lab3: Cluster) -> None:
     inv = lab3.inv
-    ep = cluster.endpoint(lab3.inventory)
+    ep = endpoint.endpoint(lab3.inventory)
     downs = _check_downs(inv)
     slot, seconds = 3.0, 24.0
     t0 = time.time() + 1
@@ -547,7 +547,7 @@ def test_a_loop_of_1mib_prompts_leaves_another_client_served(lab3: Cluster) -> N
         if now < t0:
             time.sleep(t0 - now)
             continue
-        c = cluster.complete(ep, "Once ", max_tokens=8, timeout=60)
+        c = endpoint.complete(ep, "Once ", max_tokens=8, timeout=60)
         other[c.status] += 1
         (flooded if int((now - t0) / slot) % 2 else quiet).append(c.seconds)
         time.sleep(max(0.0, 0.1 - (time.time() - now)))  # ≤ 10/s: with the flood's 20/s under the address's limit
@@ -574,7 +574,7 @@ def test_a_loop_of_1mib_prompts_leaves_another_client_served(lab3: Cluster) -> N
 def _backend_metrics(lab3: Cluster, host: str) -> str:
     """A backend's /metrics, over HTTPS verified against the cluster CA (as Prometheus scrapes it)."""
     port = cluster.setting(lab3.inv, "inference_service_port", "inference_service", "inference_nodes")
-    ctx = ssl.create_default_context(cafile=cluster.load_cluster_ca(lab3.inventory))
+    ctx = ssl.create_default_context(cafile=endpoint.load_cluster_ca(lab3.inventory))
     url = f"https://{cluster.address(lab3.inv, host)}:{port}/metrics"
     with urllib.request.urlopen(url, timeout=10, context=ctx) as resp:
         return resp.read().decode()
@@ -599,7 +599,7 @@ def test_a_request_that_kills_its_backend_is_not_replayed_on_another(lab3: Clust
     from shardstack.ops import cordon
 
     inv = lab3.inv
-    ep = cluster.endpoint(lab3.inventory)
+    ep = endpoint.endpoint(lab3.inventory)
     backends = sorted(inv["groups"]["inference_nodes"])
     victim, other = backends[0], backends[-1]  # the watchdog test restarted the last one: spare its start limit
     socket = str(cluster.setting(inv, "loadbalancer_admin_socket", "loadbalancer", "loadbalancer"))
@@ -607,7 +607,7 @@ def test_a_request_that_kills_its_backend_is_not_replayed_on_another(lab3: Clust
     arm = (f"mkdir -p $(dirname {dropin}) && printf '[Service]\\nEnvironment=SHARDSTACK_SERVE_FAILPOINT=engine_hang"
            "\\n' > " + dropin + " && systemctl daemon-reload && systemctl restart shardstack-inference.service")
     assert run_command(["sh", "-c", arm], lab3.inventory, victim)[victim].success
-    result: dict[str, cluster.Completion] = {}
+    result: dict[str, endpoint.Completion] = {}
     try:
         deadline = time.monotonic() + 120
         while {i["host"] for i in _infos(lab3, ep, 6)} != set(backends):
@@ -616,7 +616,7 @@ def test_a_request_that_kills_its_backend_is_not_replayed_on_another(lab3: Clust
         # Only the victim takes the request; then the other is back in, where a replay would go.
         cordon.apply(other, "cordon", lab3.inventory, inv["groups"], socket=socket)
         before = _backend_requests(lab3, other)
-        sender = threading.Thread(target=lambda: result.update(c=cluster.complete(ep, "x", max_tokens=2, timeout=120)))
+        sender = threading.Thread(target=lambda: result.update(c=endpoint.complete(ep, "x", max_tokens=2, timeout=120)))
         sender.start()
         deadline = time.monotonic() + 30
         while _backend_running(lab3, victim) < 1:
@@ -659,7 +659,7 @@ def test_cordon_an_inference_node_under_load_fails_no_request(lab3: Cluster) -> 
     from shardstack.ops import cordon
 
     inv = lab3.inv
-    ep = cluster.endpoint(lab3.inventory)
+    ep = endpoint.endpoint(lab3.inventory)
     backends = set(inv["groups"]["inference_nodes"])
     victim = sorted(backends)[-1]
     socket = str(cluster.setting(inv, "loadbalancer_admin_socket", "loadbalancer", "loadbalancer"))

@@ -13,8 +13,8 @@ from pathlib import Path
 
 import pytest
 from shardstack.errors import ShardstackError
-from shardstack.ops import cluster
 from shardstack.ops import serve as serve_ops
+from shardstack.ops import storage
 from shardstack.ops import train as train_ops
 
 REPO = Path(__file__).resolve().parents[2]
@@ -128,8 +128,8 @@ def test_publish_names_and_the_newest_valid_step() -> None:
     ("data/corpus", False), ("/data/corpus", False),
 ])
 def test_on_shared(path: str, ok: bool) -> None:
-    assert cluster.on_shared(path, "/srv/shardstack") is ok
-    assert cluster.on_shared(path, "/srv/shardstack/") is ok
+    assert storage.on_shared(path, "/srv/shardstack") is ok
+    assert storage.on_shared(path, "/srv/shardstack/") is ok
 
 
 @pytest.mark.parametrize("key, config", [
@@ -164,21 +164,21 @@ def _tree(root: Path, files: dict[str, bytes]) -> Path:
 def test_checksums_name_a_missing_and_a_different_file(tmp_path: Path) -> None:
     src = _tree(tmp_path / "src", {"config.json": b"{}", "sub/w.bin": b"\0" * 10, "tok.json": b"t"})
     copy = _tree(tmp_path / "copy", {"config.json": b"{}", "sub/w.bin": b"\1" * 10, "old.bin": b"o"})
-    out = subprocess.run(cluster.checksum_argv(str(copy)), capture_output=True, text=True, check=True).stdout
-    remote = cluster.parse_checksums(out)
+    out = subprocess.run(storage.checksum_argv(str(copy)), capture_output=True, text=True, check=True).stdout
+    remote = storage.parse_checksums(out)
     assert set(remote) == {"config.json", "sub/w.bin", "old.bin"}
-    local = cluster.local_checksums(src)
+    local = storage.local_checksums(src)
     with pytest.raises(ShardstackError, match=r"does not match the source: missing on the node: tok\.json; sha256 "
                                               r"differs: sub/w\.bin\n"):
-        cluster.compare_checksums(local, remote, "h1:/x")
+        storage.compare_checksums(local, remote, "h1:/x")
     (copy / "tok.json").write_bytes(b"t")
     (copy / "sub/w.bin").write_bytes(b"\0" * 10)
-    again = cluster.parse_checksums(subprocess.run(cluster.checksum_argv(str(copy)), capture_output=True, text=True,
+    again = storage.parse_checksums(subprocess.run(storage.checksum_argv(str(copy)), capture_output=True, text=True,
                                                    check=True).stdout)
-    assert cluster.compare_checksums(local, again, "h1:/x") == ["old.bin"]  # extra: reported, not an error
+    assert storage.compare_checksums(local, again, "h1:/x") == ["old.bin"]  # extra: reported, not an error
     one = tmp_path / "c.txt"
     one.write_text("x")
-    assert list(cluster.local_checksums(one)) == ["c.txt"]  # a file lands in the directory under its own name
+    assert list(storage.local_checksums(one)) == ["c.txt"]  # a file lands in the directory under its own name
 
 
 # On a local node ----------------------------------------------------------------------------------------------------
@@ -196,7 +196,7 @@ def test_model_put_copies_and_verifies(tmp_path: Path, node: tuple[Path, Path]) 
     # A copy that went wrong on the node is found, by name.
     (shared / "pretrained/llama/tokenizer.json").write_text("changed")
     with pytest.raises(ShardstackError, match=r"sha256 differs: tokenizer\.json"):
-        cluster.verify_copy(inv, "h1", model, f"{shared}/pretrained/llama")
+        storage.verify_copy(inv, "h1", model, f"{shared}/pretrained/llama")
 
 
 @needs_root
@@ -216,21 +216,21 @@ def test_data_put_and_prepare_on_the_cluster(tmp_path: Path, node: tuple[Path, P
     assert doc["out"] == f"{shared}/data/tokens" and doc["total_tokens"] == 50 * 44 and doc["copied"] is None
     assert (shared / "data/tokens/meta.json").is_file()
     # A file here is put first (next to the output, verified), then prepared from there.
-    local = cluster.prepare_on_cluster(inv, str(text), "local", workers=1)
+    local = storage.prepare_on_cluster(inv, str(text), "local", workers=1)
     assert local.copied is not None and local.source == f"{shared}/data/local-text/corpus.txt"
     assert local.meta["total_tokens"] == 50 * 44
 
 
 def test_prepare_runs_shardstack_as_the_job_account() -> None:
-    argv = cluster.prepare_argv("/opt/shardstack/venv", "shardstack", "/srv/s/data/raw", "/srv/s/data/tok",
+    argv = storage.prepare_argv("/opt/shardstack/venv", "shardstack", "/srv/s/data/raw", "/srv/s/data/tok",
                                 tokenizer="/srv/s/pretrained/m", workers=4)
     assert argv == ["runuser", "-u", "shardstack", "--", "/opt/shardstack/venv/bin/shardstack", "data", "prepare",
                     "/srv/s/data/raw", "--out", "/srv/s/data/tok", "--tokenizer", "/srv/s/pretrained/m", "--json",
                     "--workers", "4"]
-    assert cluster.export_argv("/v", "/c/step_00000060", "/e/j") == [
+    assert storage.export_argv("/v", "/c/step_00000060", "/e/j") == [
         "/v/bin/shardstack", "export", "--checkpoint", "/c/step_00000060", "--out", "/e/j"]
-    assert cluster.export_argv("/v", "/c", "/e/j", key_file="/k")[-2:] == ["--key-file", "/k"]
-    assert cluster.export_argv("/v", "/c", "/e/j", key_file="/k", allow_unsigned=True)[-1] == "--allow-unsigned"
+    assert storage.export_argv("/v", "/c", "/e/j", key_file="/k")[-2:] == ["--key-file", "/k"]
+    assert storage.export_argv("/v", "/c", "/e/j", key_file="/k", allow_unsigned=True)[-1] == "--allow-unsigned"
 
 
 @needs_root

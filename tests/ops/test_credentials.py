@@ -9,7 +9,7 @@ import pytest
 import yaml
 from ansible import constants as C
 from shardstack.errors import ShardstackError
-from shardstack.ops.cluster import CLUSTER_CA, endpoint, load_ca, load_cluster_ca, load_token
+from shardstack.ops.endpoint import CLUSTER_CA, endpoint, load_ca, load_cluster_ca, load_token
 
 from .conftest import role_value, store_files
 

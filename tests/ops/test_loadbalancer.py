@@ -3,7 +3,7 @@ two small HTTP backends, with a certificate issued by the role's own module: HTT
 port a 301), active health checks, retries of 503/refused requests on the other server, per-server connection
 limits with queueing, the per-client rate limit, HAProxy's own 429/503 in the inference service's error shape,
 X-Forwarded-For, the stats page behind a password and /metrics on a listener of its own. The clients are
-`shardstack.ops.cluster`'s, trusting the cluster CA."""
+`shardstack.ops.endpoint`'s, trusting the cluster CA."""
 
 from __future__ import annotations
 
@@ -34,7 +34,7 @@ import pytest
 import yaml
 from journal_socket import JournalSocket
 from shardstack.errors import ShardstackError
-from shardstack.ops.cluster import Endpoint, complete
+from shardstack.ops.endpoint import Endpoint, complete
 from shardstack.ops.runner import run_playbook
 from shardstack.serve.accesslog import REQUEST_ID_PATTERN
 from shardstack.serve.protocol import ApiError

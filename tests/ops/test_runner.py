@@ -67,7 +67,7 @@ def test_run_command_per_host(local_inventory: Path, tmp_path: Path) -> None:
 
 
 def test_place_model_copies_a_directory_to_shared_storage(tmp_path: Path) -> None:
-    from shardstack.ops.cluster import place_model
+    from shardstack.ops.storage import place_model
 
     shared = tmp_path / "shared"
     inv = tmp_path / "hosts.yml"

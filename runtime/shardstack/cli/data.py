@@ -84,10 +84,10 @@ def _prepare_on_cluster(args: argparse.Namespace) -> int:
     if args.input is None:  # never the shipped demo corpus by omission on a cluster
         raise ShardstackError("data prepare --cluster needs INPUT: a path under the shared directory, or a file or "
                               "directory here")
-    from shardstack.ops import cluster
+    from shardstack.ops import storage
 
     inventory = args.inventory or default_inventory()
-    done = cluster.prepare_on_cluster(inventory, args.input, args.out_name, tokenizer=args.tokenizer,
+    done = storage.prepare_on_cluster(inventory, args.input, args.out_name, tokenizer=args.tokenizer,
                                       workers=args.workers)
     if args.json:
         print(json.dumps({"host": done.host, "input": done.source, **done.meta, "out": done.out,
@@ -103,7 +103,7 @@ def _prepare_on_cluster(args: argparse.Namespace) -> int:
 
 def _put(args: argparse.Namespace) -> int:
     from shardstack.cli.output import report_copy
-    from shardstack.ops import cluster
+    from shardstack.ops import storage
 
-    report_copy(cluster.put_data(args.inventory, args.src, args.name), as_json=args.json)
+    report_copy(storage.put_data(args.inventory, args.src, args.name), as_json=args.json)
     return 0

@@ -17,7 +17,7 @@ from shardstack.cli.inventory import LAB_INVENTORY
 from shardstack.cli.output import EXIT_FAILED_HOSTS, EXIT_OK, LiveProgress, Progress, console, summary_table
 from shardstack.errors import ShardstackError
 from shardstack.lab import lab
-from shardstack.ops import cluster, serve, train
+from shardstack.ops import cluster, endpoint, serve, storage, train
 from shardstack.ops.runner import project_dir
 from shardstack.ops.validate import run_validate
 
@@ -69,7 +69,7 @@ def _demo(args: argparse.Namespace) -> int:
         if not cached:
             console.print(f"building the pretrained model once into {pretrained.model_dir()} (a few minutes)")
         model = pretrained.build(echo=lambda m: console.print(m, highlight=False))
-        init_from = cluster.place_model(inventory, model)
+        init_from = storage.place_model(inventory, model)
         phase(f"pretrained {model.name} ({'cached' if cached else 'built'}) → {init_from}", t)
 
         t = time.monotonic()
@@ -94,7 +94,7 @@ def _demo(args: argparse.Namespace) -> int:
         phase(f"train: fine-tune {model.name}, 2 nodes, ZeRO-3, {args.steps} steps", t)
 
         t = time.monotonic()
-        exp = cluster.export_current(inventory, job["checkpoint"]["dir"], "demo")
+        exp = storage.export_current(inventory, job["checkpoint"]["dir"], "demo")
         phase(f"export → {exp.current}", t)
 
         t = time.monotonic()
@@ -106,7 +106,7 @@ def _demo(args: argparse.Namespace) -> int:
 
         t = time.monotonic()
         # Greedy: the fine-tuned model continues a corpus-style sentence with words of the corpus.
-        completion = cluster.complete(cluster.endpoint(inventory), PROMPT, max_tokens=48, temperature=0.0)
+        completion = endpoint.complete(endpoint.endpoint(inventory), PROMPT, max_tokens=48, temperature=0.0)
         if completion.status != 200:
             raise ShardstackError(f"completion through the load balancer answered {completion.status}: "
                                   f"{completion.body}", exit_code=EXIT_FAILED_HOSTS)

@@ -23,7 +23,7 @@ def register(sub: argparse._SubParsersAction) -> None:
 
 
 def _put(args: argparse.Namespace) -> int:
-    from shardstack.ops import cluster
+    from shardstack.ops import storage
 
-    report_copy(cluster.put_model(args.inventory, args.dir, args.name), as_json=args.json, use_as="model.init_from")
+    report_copy(storage.put_model(args.inventory, args.dir, args.name), as_json=args.json, use_as="model.init_from")
     return 0

@@ -16,8 +16,8 @@ from rich.console import Console
 from rich.table import Table
 
 if TYPE_CHECKING:
-    from shardstack.ops.cluster import Verified
     from shardstack.ops.runner import RunnerEvent, RunResult
+    from shardstack.ops.storage import Verified
 
 console = Console(stderr=True)  # progress, tables and messages
 stdout = Console()  # reports a command exists to print (e.g. `lab status`)

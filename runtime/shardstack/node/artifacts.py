@@ -41,7 +41,7 @@ MANIFEST_FORMAT = "shardstack-checkpoint/2"
 STEP_RE = re.compile(r"^step_(\d{8})$")
 STALE_RE = re.compile(r"^step_\d{8}\.(tmp|deleting)-[0-9a-f]+$")
 QUARANTINE_RE = re.compile(r"^step_(\d{8})\.invalid-([a-z0-9-]+?)(?:-[0-9a-f]{8})?$")
-CURRENT = "current"  # exports/current -> the served export (shardstack.ops.cluster.export_current)
+CURRENT = "current"  # exports/current -> the served export (shardstack.ops.storage.export_current)
 DAY = 86400.0
 
 

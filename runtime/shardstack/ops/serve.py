@@ -11,7 +11,7 @@ from pathlib import Path
 from typing import Any
 
 from shardstack.errors import ShardstackError
-from shardstack.ops import cluster
+from shardstack.ops import cluster, storage
 from shardstack.ops.runner import RunResult, run_command, run_playbook
 
 _JOB_REF = re.compile(r"^([a-z0-9][a-z0-9_-]{0,62})(?:@(\d{1,8}))?$")  # a job name as `train submit` takes it
@@ -98,7 +98,7 @@ def pick_newest_valid(listing: dict[str, Any], root: str) -> int:
 class Published:
     job: str
     step: int
-    export: cluster.ClusterExport
+    export: storage.ClusterExport
     rollout: RunResult | None = None
 
     def to_dict(self) -> dict[str, Any]:
@@ -117,7 +117,7 @@ def publish(inventory: Path, ref: str, *, rollout_after: bool = True, on_event=N
     venv = str(cluster.setting(inv, "training_runtime_venv", "training_runtime", "train_nodes"))
     if step is None:
         step = newest_valid_step(inventory, where, cluster.job_account(inv), venv)
-    exp = cluster.export_current(inventory, step_dir(where.root, step), export_name(job, step),
+    exp = storage.export_current(inventory, step_dir(where.root, step), export_name(job, step),
                                  key_file=where.key_file, allow_unsigned=not where.signed)
     out = Published(job, exp.step if exp.step is not None else step, exp)
     if rollout_after:

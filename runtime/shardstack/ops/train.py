@@ -18,7 +18,7 @@ from pathlib import Path
 from typing import Any
 
 from shardstack.errors import ShardstackError
-from shardstack.ops import cluster, cordon
+from shardstack.ops import cluster, cordon, storage
 from shardstack.ops.runner import RunResult, run_command, run_playbook
 
 JOB_NAME = re.compile(r"^[a-z0-9][a-z0-9_-]{0,62}$")
@@ -89,7 +89,7 @@ def job_shared_dir(inv: dict[str, Any]) -> str:
 def check_shared_paths(config: dict[str, Any], shared: str) -> None:
     """Refuse a path that is not on shared storage: each node would read (or write) its own copy."""
     for key, path in shared_paths(config):
-        if not cluster.on_shared(path, shared):
+        if not storage.on_shared(path, shared):
             raise ShardstackError(f"{key} {path} is not under the shared directory {shared}",
                                   hint="every node of a job reads its data and model and writes its checkpoints "
                                        "there: shardstack data put / model put copy them")
@@ -373,7 +373,7 @@ def wait_job(name: str, inventory: Path, timeout: float, *, poll: float = 5.0, o
 
 def demo_job(steps: int, shared_dir: str, name: str = "demo", *, init_from: str | None = None) -> dict[str, Any]:
     """The demo's job (also the e2e's): ZeRO stage 3 (FSDP2) across 2 nodes on CPU, on the shipped corpus. With
-    `init_from` (a Hugging Face directory every train node sees, e.g. the pretrained model `cluster.place_model` put
+    `init_from` (a Hugging Face directory every train node sees, e.g. the pretrained model `storage.place_model` put
     on shared storage) it fine-tunes that model, the corpus prepared with its tokenizer; without, it trains a tiny
     byte-level GPT from scratch."""
     from shardstack.train.config import config_from_dict
