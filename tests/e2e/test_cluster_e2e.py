@@ -48,8 +48,9 @@ from shardstack.cli.output import Progress
 from shardstack.lab import lab
 from shardstack.model.tokenizer import train_bpe
 from shardstack.ops import cluster, endpoint, serve, storage, train
+from shardstack.ops.demo import demo_job
+from shardstack.ops.jobs.common import unit
 from shardstack.ops.runner import RunResult, project_dir, run_command, run_playbook
-from shardstack.ops.train import demo_job
 from shardstack.ops.validate import run_validate
 from shardstack.serve.demo import write_random_model
 
@@ -206,7 +207,7 @@ def test_two_node_job_survives_a_killed_worker(lab3: Cluster) -> None:
     victim = lab3.inv["groups"]["train_nodes"][1]
     ckpt = f"{job['checkpoint']['dir']}/step_00000040/manifest.json"
     script = (f"for i in $(seq 1200); do [ -e {ckpt} ] && break; sleep 0.5; done; [ -e {ckpt} ] || exit 3; "
-              f"agent=$(systemctl show -p MainPID --value {train.unit(JOB)}); [ \"$agent\" -gt 0 ] || exit 4; "
+              f"agent=$(systemctl show -p MainPID --value {unit(JOB)}); [ \"$agent\" -gt 0 ] || exit 4; "
               "worker=$(pgrep -P \"$agent\"); [ -n \"$worker\" ] || exit 5; "
               "kill -KILL $worker && echo \"killed worker $worker of agent $agent\"")
     killed = run_command(["sh", "-c", script], lab3.inventory, victim, timeout=900)[victim]

@@ -19,6 +19,8 @@ from typing import Any
 
 import pytest
 from shardstack.ops import cluster, train
+from shardstack.ops.jobs.common import identifier, unit
+from shardstack.ops.jobs.slurm import CONTROLLER
 from shardstack.ops.runner import run_command, run_playbook
 from shardstack.train.config import config_from_dict
 
@@ -72,7 +74,7 @@ def _losses(texts: dict[str, str]) -> dict[int, float]:
 
 def _journal(inv: Path, job: str, since: float, grep: str) -> str:
     """The job's journal lines on every train node since `since` (epoch seconds) that match `grep`."""
-    res = run_command(["journalctl", "--identifier", train.identifier(job), "--since", f"@{int(since)}", "--no-pager",
+    res = run_command(["journalctl", "--identifier", identifier(job), "--since", f"@{int(since)}", "--no-pager",
                        "-o", "cat", "--grep", grep], inv, "train_nodes")
     return "\n".join(r.stdout for r in res.values() if r.success)  # rc 1: no line matched there
 
@@ -84,7 +86,7 @@ def _fresh(inv: Path, *jobs: str) -> None:
 
 
 def _controller(inv: Path, argv: list[str]) -> str:
-    res = next(iter(run_command(argv, inv, train.SLURM_CONTROLLER).values()))
+    res = next(iter(run_command(argv, inv, CONTROLLER).values()))
     assert res.success, (argv, res)
     return res.stdout
 
@@ -115,15 +117,15 @@ def test_a_2_node_job_through_slurm_has_the_systemd_paths_losses_and_its_usage_i
     assert ref.success, {h: (r.failed_task, r.message) for h, r in ref.hosts.items()}
 
     def ref_done() -> bool:
-        shown = run_command(["systemctl", "show", train.unit("ref"), "-p", "ActiveState", "--value"], inv,
+        shown = run_command(["systemctl", "show", unit("ref"), "-p", "ActiveState", "--value"], inv,
                             "train_nodes")
         return all(r.success and r.stdout.strip() in ("inactive", "failed") for r in shown.values())
 
     _wait("the systemd job", ref_done)
-    results = run_command(["systemctl", "show", train.unit("ref"), "-p", "Result", "--value"], inv, "train_nodes")
+    results = run_command(["systemctl", "show", unit("ref"), "-p", "Result", "--value"], inv, "train_nodes")
     assert {r.stdout.strip() for r in results.values()} == {"success"}, results
     ref_losses = _losses({h: r.stdout for h, r in run_command(
-        ["journalctl", "-u", train.unit("ref"), "-o", "cat", "--no-pager"], inv, "train_nodes").items()})
+        ["journalctl", "-u", unit("ref"), "-o", "cat", "--no-pager"], inv, "train_nodes").items()})
 
     sub = train.submit(_job(inv, "slurm-2n", steps, steps), "slurm-2n", inv, nodes=2, account="product")
     assert sub.success, {h: (r.failed_task, r.message) for h, r in sub.hosts.items()}

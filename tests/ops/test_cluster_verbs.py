@@ -16,6 +16,7 @@ from shardstack.errors import ShardstackError
 from shardstack.ops import serve as serve_ops
 from shardstack.ops import storage
 from shardstack.ops import train as train_ops
+from shardstack.ops.demo import demo_job
 
 REPO = Path(__file__).resolve().parents[2]
 VENV = Path(sys.executable).parent.parent
@@ -148,7 +149,7 @@ def test_submit_accepts_paths_on_shared_storage() -> None:
               "checkpoint": {"dir": "/srv/shardstack/checkpoints/j", "resume": "auto"}}
     train_ops.check_shared_paths(config, "/srv/shardstack")
     assert [k for k, _ in train_ops.shared_paths(config)] == ["data.path", "checkpoint.dir", "model.init_from"]
-    train_ops.check_shared_paths(train_ops.demo_job(60, "/srv/shardstack",
+    train_ops.check_shared_paths(demo_job(60, "/srv/shardstack",
                                                     init_from="/srv/shardstack/pretrained/m"), "/srv/shardstack")
 
 
@@ -322,8 +323,8 @@ def test_jobs_may_live_in_a_directory_of_their_own_on_the_shared_storage() -> No
     where submit expects a job's paths; unset, the shared directory is."""
     inv = {"groups": {"train_nodes": ["n1"]}, "hostvars": {"n1": {"training_runtime_shared_dir": "/mnt/jobs"}}}
     assert train_ops.job_shared_dir(inv) == "/mnt/jobs"
-    train_ops.check_shared_paths(train_ops.demo_job(10, "/mnt/jobs", "j"), train_ops.job_shared_dir(inv))
+    train_ops.check_shared_paths(demo_job(10, "/mnt/jobs", "j"), train_ops.job_shared_dir(inv))
     plain = {"groups": {"train_nodes": ["n1"]}, "hostvars": {"n1": {}}}
     assert train_ops.job_shared_dir(plain) == "/srv/shardstack"
     with pytest.raises(ShardstackError, match="is not under the shared directory /srv/shardstack"):
-        train_ops.check_shared_paths(train_ops.demo_job(10, "/mnt/jobs", "j"), train_ops.job_shared_dir(plain))
+        train_ops.check_shared_paths(demo_job(10, "/mnt/jobs", "j"), train_ops.job_shared_dir(plain))

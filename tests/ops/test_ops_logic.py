@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import pytest
 from shardstack.errors import ShardstackError
-from shardstack.ops.train import JobStatus, NodeJobState, check_job_name, demo_job, parse_step_lines
+from shardstack.ops.demo import demo_job
+from shardstack.ops.jobs.common import JobStatus, NodeJobState, check_job_name, parse_step_lines
+from shardstack.ops.jobs.systemd import state_of
 from shardstack.ops.validate import validate_findings
 
 
@@ -21,11 +23,11 @@ def node(active: str, result: str = "success", step: int | None = None) -> NodeJ
     ([], "unknown"),
 ])
 def test_job_state_from_the_nodes(states: list[NodeJobState], want: str) -> None:
-    assert JobStatus("j", states).state == want
+    assert state_of(states) == want
 
 
 def test_newest_step_across_nodes() -> None:
-    st = JobStatus("j", [node("active", step=40), node("active"), node("active", step=45)])
+    st = JobStatus("j", "running", [node("active", step=40), node("active"), node("active", step=45)])
     assert st.last_step == {"step": 45, "loss": 1.0}
 
 

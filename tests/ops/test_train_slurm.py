@@ -10,8 +10,9 @@ from pathlib import Path
 import pytest
 import yaml
 from shardstack.errors import ShardstackError
-from shardstack.ops import train
-from shardstack.ops.train import JobStatus, SlurmJob, parse_slurm_job
+from shardstack.ops import cluster, train
+from shardstack.ops.jobs.common import JobStatus, identifier
+from shardstack.ops.jobs.slurm import SlurmJob, parse_slurm_job, state_of
 
 from .conftest import render
 
@@ -37,14 +38,16 @@ def test_the_newest_job_of_squeue_or_sacct_output() -> None:
     ("FAILED", "failed"), ("NODE_FAIL", "failed"), ("TIMEOUT", "failed"), ("OUT_OF_MEMORY", "failed"),
 ])
 def test_slurm_states_read_as_the_systemd_paths(state: str, want: str) -> None:
-    st = JobStatus("j", scheduler="slurm", slurm=SlurmJob("7", state, "None", "00:00:01", 2, "n[1-2]", "a", "q"))
+    job = SlurmJob("7", state, "None", "00:00:01", 2, "n[1-2]", "a", "q")
+    st = JobStatus("j", state_of(job), scheduler="slurm", slurm=job)
     assert st.state == want
     assert st.to_dict()["slurm"]["state"] == state and st.to_dict()["scheduler"] == "slurm"
 
 
 def test_no_slurm_job_of_that_name_is_unknown_and_steps_come_from_the_journals() -> None:
-    assert JobStatus("j", scheduler="slurm").state == "unknown"
-    st = JobStatus("j", scheduler="slurm", steps={"n1": {"step": 40, "loss": 2.0}, "n2": {"step": 12, "loss": 3.0}})
+    assert state_of(None) == "unknown"
+    steps = {"n1": {"step": 40, "loss": 2.0}, "n2": {"step": 12, "loss": 3.0}}
+    st = JobStatus("j", "running", scheduler="slurm", steps=steps)
     assert st.last_step == {"step": 40, "loss": 2.0}
 
 
@@ -108,7 +111,7 @@ def test_the_batch_script_is_bash_and_runs_one_torchrun_agent_per_node(tmp_path:
     # The rendezvous: on the job's first node, a fresh id for every run (a requeue is another run).
     assert 'SHARDSTACK_RDZV_ENDPOINT="${head_addr}:29400"' in text
     assert 'SHARDSTACK_RDZV_ID="${SLURM_JOB_ID}-${SLURM_RESTART_COUNT:-0}"' in text
-    assert train.identifier("run1") == "shardstack-train-run1"
+    assert identifier("run1") == "shardstack-train-run1"
 
 
 SUBMIT = yaml.safe_load((Path(__file__).resolve().parents[2] / "playbooks" / "train_submit.yml").read_text())
@@ -158,11 +161,11 @@ def test_slurm_jobs_are_the_training_users(tmp_path: Path) -> None:
     default = yaml.safe_load((roles / "training_runtime" / "defaults" / "main.yml").read_text())
     assert default["training_runtime_user"] == "{{ shardstack_user }}"
     inventory = _inventory(tmp_path, "slurm")
-    assert train._job_user(inventory) == "shardstack"
+    assert cluster.job_account(cluster.inventory_hosts(inventory)) == "shardstack"
     data = yaml.safe_load(inventory.read_text())
     data["all"]["vars"]["shardstack_user"] = "svc"
     inventory.write_text(yaml.safe_dump(data))
-    assert train._job_user(inventory) == "svc"
+    assert cluster.job_account(cluster.inventory_hosts(inventory)) == "svc"
     data["all"]["vars"]["training_runtime_user"] = "trainer"
     inventory.write_text(yaml.safe_dump(data))
-    assert train._job_user(inventory) == "trainer"
+    assert cluster.job_account(cluster.inventory_hosts(inventory)) == "trainer"

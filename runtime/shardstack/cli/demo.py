@@ -18,6 +18,8 @@ from shardstack.cli.output import EXIT_FAILED_HOSTS, EXIT_OK, LiveProgress, Prog
 from shardstack.errors import ShardstackError
 from shardstack.lab import lab
 from shardstack.ops import cluster, endpoint, serve, storage, train
+from shardstack.ops.demo import demo_job
+from shardstack.ops.jobs.common import JobStatus
 from shardstack.ops.runner import project_dir
 from shardstack.ops.validate import run_validate
 
@@ -73,7 +75,7 @@ def _demo(args: argparse.Namespace) -> int:
         phase(f"pretrained {model.name} ({'cached' if cached else 'built'}) → {init_from}", t)
 
         t = time.monotonic()
-        job = train.demo_job(args.steps, cluster.shared_dir(cluster.inventory_hosts(inventory)), init_from=init_from)
+        job = demo_job(args.steps, cluster.shared_dir(cluster.inventory_hosts(inventory)), init_from=init_from)
         # A rerun with another --steps continues the demo's own job (its own checkpoint.dir): a config change it means.
         sub = train.submit(job, "demo", inventory, nodes=2, allow_config_change=True, prepare_demo_data=True,
                            on_event=LiveProgress())
@@ -81,7 +83,7 @@ def _demo(args: argparse.Namespace) -> int:
             console.print(summary_table(sub, "train submit demo"))
             raise ShardstackError("train submit failed", exit_code=EXIT_FAILED_HOSTS)
 
-        def show(st: train.JobStatus) -> None:
+        def show(st: JobStatus) -> None:
             last = st.last_step
             console.print(f"  job demo: {st.state}" + (f", step {last['step']}/{args.steps} loss {last['loss']:.3f}"
                                                        f" {last['tokens_per_second']:.0f} tok/s" if last else ""),

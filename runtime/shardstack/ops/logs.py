@@ -22,9 +22,9 @@ from pathlib import Path
 from typing import Any
 
 from shardstack.errors import ShardstackError
+from shardstack.ops.jobs.common import check_job_name
+from shardstack.ops.jobs.common import unit as job_unit
 from shardstack.ops.runner import run_command
-from shardstack.ops.train import check_job_name
-from shardstack.ops.train import unit as job_unit
 
 COLLECTOR_GROUP = "monitoring_server"
 # The journal role's collector tool and its map of journal sources to inventory names (roles/journal/vars/main.yml
