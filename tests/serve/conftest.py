@@ -163,6 +163,19 @@ def tls_handshake(port: int, ca: Path, oldest: ssl.TLSVersion, newest: ssl.TLSVe
         return str(tls.version())
 
 
+def assert_https_only(port: int, ca: Path) -> None:
+    """The service on 127.0.0.1:port speaks TLS 1.2 or newer and nothing else: plain HTTP gets no response (the
+    handshake fails and the connection closes), a TLS 1.1-at-most client is refused by the server (a failure of the
+    client's own, no ciphers or protocols to offer, would have another reason)."""
+    with pytest.raises(httpx.RemoteProtocolError, match="without sending a response"):
+        httpx.get(f"http://127.0.0.1:{port}/health", timeout=30)
+    v = ssl.TLSVersion
+    assert tls_handshake(port, ca, v.TLSv1_2, v.TLSv1_2) == "TLSv1.2"
+    with pytest.raises(ssl.SSLError) as refused:
+        tls_handshake(port, ca, v.TLSv1, v.TLSv1_1)
+    assert refused.value.reason in ("UNEXPECTED_EOF_WHILE_READING", "TLSV1_ALERT_PROTOCOL_VERSION"), refused.value
+
+
 @pytest.fixture(scope="session")
 def model_dir() -> Iterator[Path]:
     with tempfile.TemporaryDirectory(prefix="ss-serve-model-") as tmp:

@@ -6,7 +6,6 @@ from __future__ import annotations
 import contextlib
 import json
 import signal
-import ssl
 import subprocess
 import sys
 import tempfile
@@ -21,7 +20,7 @@ import pytest
 from shardstack.cli import main
 from shardstack.serve.protocol import ErrorBody
 
-from .conftest import Service, TlsFiles, running_service, tls_handshake
+from .conftest import Service, TlsFiles, assert_https_only, running_service
 
 
 def _complete(url: str, body: dict, timeout: float = 120) -> httpx.Response:
@@ -220,16 +219,7 @@ def test_https_with_the_cluster_ca_only_tls_1_2_or_newer_and_no_plain_http(model
             assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 4, r.text
         with pytest.raises(httpx.ConnectError, match="CERTIFICATE_VERIFY_FAILED"):  # not a public CA's certificate
             httpx.get(svc.url + "/health", timeout=30)
-        # Plain HTTP on the same port: the TLS handshake fails on it and the connection closes without a response.
-        with pytest.raises(httpx.RemoteProtocolError, match="without sending a response"):
-            httpx.get(f"http://127.0.0.1:{svc.port}/health", timeout=30)
-        v = ssl.TLSVersion
-        assert tls_handshake(svc.port, tls_files.ca, v.TLSv1_2, v.TLSv1_2) == "TLSv1.2"
-        # A TLS 1.1-at-most client (it does offer 1.1) is refused: the server drops the handshake. A failure of the
-        # client's own (no ciphers or protocols to offer) would have another reason.
-        with pytest.raises(ssl.SSLError) as refused:
-            tls_handshake(svc.port, tls_files.ca, v.TLSv1, v.TLSv1_1)
-        assert refused.value.reason in ("UNEXPECTED_EOF_WHILE_READING", "TLSV1_ALERT_PROTOCOL_VERSION"), refused.value
+        assert_https_only(svc.port, tls_files.ca)
         assert svc.proc.poll() is None, svc.log()
 
 

@@ -8,7 +8,6 @@ from __future__ import annotations
 import os
 import shutil
 import signal
-import ssl
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -18,7 +17,7 @@ import openai
 import pytest
 from shardstack.serve.vllm import VllmOptions, cpu_environment, vllm_argv
 
-from .conftest import EOS_AT, EOS_PROMPT, Service, TlsFiles, tls_handshake
+from .conftest import EOS_AT, EOS_PROMPT, Service, TlsFiles, assert_https_only
 
 ROOT = Path(__file__).resolve().parents[2]
 TOKEN = "vllm-s3cret-token"
@@ -98,13 +97,7 @@ def test_every_path_but_health_and_metrics_needs_the_token_and_says_so_in_the_op
 def test_vllm_serves_https_only_and_tls_1_2_or_newer(vllm_svc, tls_files: TlsFiles) -> None:
     svc, _ = vllm_svc
     assert svc.url.startswith("https://")
-    with pytest.raises(httpx.RemoteProtocolError, match="without sending a response"):
-        httpx.get(f"http://127.0.0.1:{svc.port}/health", timeout=30)
-    v = ssl.TLSVersion
-    assert tls_handshake(svc.port, tls_files.ca, v.TLSv1_2, v.TLSv1_2) == "TLSv1.2"
-    with pytest.raises(ssl.SSLError) as refused:
-        tls_handshake(svc.port, tls_files.ca, v.TLSv1, v.TLSv1_1)
-    assert refused.value.reason in ("UNEXPECTED_EOF_WHILE_READING", "TLSV1_ALERT_PROTOCOL_VERSION"), refused.value
+    assert_https_only(svc.port, tls_files.ca)
 
 
 def test_vllm_serves_the_verified_copy_tells_systemd_and_keeps_the_token_out_of_argv_and_logs(vllm_svc) -> None:
