@@ -440,12 +440,10 @@ def test_a_hung_engine_is_killed_by_the_watchdog_and_serves_again(lab3: Cluster)
 # Trust at the edge (issue 24): named keys with their own in-flight limit, revoked by one run of the load balancer's
 # stage under another key's load; a loop of 1 MiB prompts beside another client; a request that kills its backend.
 # Extra vars stand in for the inventory's keys, and the last run of the stage restores the inventory's own.
-def _edge(lab3: Cluster, keys: list[dict] | None, playbook: str = "playbooks/inference.yml") -> float:
-    """`--tags loadbalancer` with these named keys (None: the inventory's own); the run's seconds. The inference
-    stage's playbook sets up and restores (no other stage's preflight); the revocation is timed on site.yml, as
-    operators run it."""
+def _edge(lab3: Cluster, keys: list[dict] | None) -> float:
+    """`--tags loadbalancer` with these named keys (None: the inventory's own); the run's seconds."""
     extravars = dict(lab3.extravars) if keys is None else {**lab3.extravars, "loadbalancer_api_keys": keys}
-    res = run_playbook(playbook, lab3.inventory, tags="loadbalancer", extravars=extravars)
+    res = run_playbook("site.yml", lab3.inventory, tags="loadbalancer", extravars=extravars)
     assert res.success, {h: r.message for h, r in res.hosts.items() if not r.success}
     return res.seconds
 
@@ -475,7 +473,7 @@ def test_named_keys_limit_their_requests_in_flight_and_one_tag_run_revokes_a_key
         alpha_codes = Counter(f.result() for f in futures[8:])
         # Revoke beta: remove it and run the stage once, under alpha's steady load.
         with Load(alpha, clients=2, rate=10) as load:
-            took = _edge(lab3, keys[:1], "site.yml")
+            took = _edge(lab3, keys[:1])
             revoked = endpoint.complete(beta, "x", max_tokens=1)
             kept = endpoint.complete(alpha, "x", max_tokens=1)
     finally:
