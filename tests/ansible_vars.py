@@ -91,10 +91,29 @@ class RoleEval:
         layered.setdefault("ansible_managed", "Ansible managed")
         layered.setdefault("groups", {"all": [layered["inventory_hostname"]]})
         layered["ansible_facts"] = facts
-        self.templar = Templar(loader=DataLoader(), variables=trusted(layered))
+        self.variables = trusted(layered)
+        self.templar = Templar(loader=DataLoader(), variables=self.variables)
 
     def __getitem__(self, name: str) -> Any:
         return self.templar.template(trust_as_template("{{ " + name + " }}"))
 
+    def template(self, value: Any) -> Any:
+        """A value as a role's file holds it (a string with Jinja, or a list or dict of them), evaluated."""
+        return self.templar.template(trusted(value))
+
     def render(self, template: str) -> str:
         return self.templar.template(trust_as_template((self.role / "templates" / template).read_text()))
+
+    def render_common(self, template: str, **include_vars: Any) -> str:
+        """shardstack_common's templates/<template> as a task file of it renders it when this role reaches it with
+        include_role: this role's variables plus the include's `vars:` (templates, as in the task)."""
+        path = self.role.parent / "shardstack_common" / "templates" / template
+        included = {"ansible_parent_role_names": [self.role.name], **include_vars}
+        templar = Templar(loader=DataLoader(), variables={**self.variables, **trusted(included)})
+        return templar.template(trust_as_template(path.read_text()))
+
+    def render_hardening(self, settings: str, unit: str) -> str:
+        """The sandboxing drop-in shardstack_common's hardening.yml writes for `unit` (no .service) from the settings
+        `{{ settings }}` evaluates to in this role: "__grafana_hardening", "__prometheus_hardening[0].settings"."""
+        return self.render_common("hardening.conf.j2", __shardstack_common_hardening_unit=unit,
+                                  __shardstack_common_hardening="{{ " + settings + " }}")

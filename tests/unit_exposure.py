@@ -2,7 +2,8 @@
 
 Each case is laid out in a scratch root the way the role leaves the node: the role's own unit template rendered
 into /etc/systemd/system, or the package's unit file (Debian's, from the cache `make setup` fills) in
-/usr/lib/systemd/system, plus the role's drop-ins in /etc/systemd/system/<unit>.d/. Then
+/usr/lib/systemd/system, plus the role's drop-ins in /etc/systemd/system/<unit>.d/ (its own templates, and the
+sandboxing drop-in shardstack_common's hardening.conf.j2 renders from the role's settings). Then
 `systemd-analyze security --offline=true --root=<scratch> --threshold=<N> <unit>` loads the unit with its drop-ins
 exactly as systemd would and scores the result. Shared by tests/ops/test_unit_security.py (the thresholds) and
 bench/unit_exposure.py (the table in bench/RESULTS.md, which can also score another checkout's roles).
@@ -48,7 +49,11 @@ FACTS: dict[str, Any] = {
     "os_family": "Debian", "distribution": "Debian", "distribution_major_version": "12",
     "architecture": "x86_64", "virtualization_type": "container",
 }
-HARDENING = ("hardening.conf.j2", "50-shardstack-hardening.conf")
+# The sandboxing drop-in: shardstack_common's template (tasks/hardening.yml), from the role's settings variable.
+HARDENING = "50-shardstack-hardening.conf"
+# A tree from before that template (issue 27) had one per role: scored with it, as it deployed.
+LEGACY_HARDENING = {"prometheus.service": "prometheus-hardening.conf.j2",
+                    "prometheus-alertmanager.service": "alertmanager-hardening.conf.j2"}
 
 
 @dataclass(frozen=True)
@@ -60,6 +65,7 @@ class Case:
     template: str | None = None  # the role's own unit, rendered into /etc/systemd/system
     packaged: str | None = None  # a package's unit file from DEBIAN_UNITS (or GRAFANA_FLOOR), in /usr/lib
     dropins: tuple[tuple[str, str], ...] = ()  # (role template, file name under <unit>.d/)
+    hardening: str | None = None  # the role's settings for shardstack_common's drop-in, e.g. "__grafana_hardening"
     variables: dict[str, Any] = field(default_factory=dict)
 
     @property
@@ -76,26 +82,23 @@ CASES = [
          template="shardstack-train@.service.j2"),
     Case("dcgm-exporter", "dcgm-exporter.service", 3.0, "dcgm_exporter", template="dcgm-exporter.service.j2"),
     Case("node_exporter (package)", "prometheus-node-exporter.service", 3.0, "node_exporter",
-         packaged="prometheus-node-exporter.service", dropins=(HARDENING,)),
+         packaged="prometheus-node-exporter.service", hardening="__node_exporter_hardening"),
     Case("node_exporter (binary)", "prometheus-node-exporter.service", 3.0, "node_exporter",
-         template="node_exporter.service.j2", dropins=(HARDENING,),
+         template="node_exporter.service.j2", hardening="__node_exporter_hardening",
          variables={"node_exporter_install_method": "binary"}),
     Case("prometheus (package)", "prometheus.service", 3.0, "prometheus", packaged="prometheus.service",
-         dropins=(("prometheus-hardening.conf.j2", "50-shardstack-hardening.conf"),)),
+         hardening="__prometheus_hardening[0].settings"),
     Case("prometheus (binary)", "prometheus.service", 3.0, "prometheus", template="prometheus.service.j2",
-         dropins=(("prometheus-hardening.conf.j2", "50-shardstack-hardening.conf"),),
-         variables={"prometheus_install_method": "binary"}),
+         hardening="__prometheus_hardening[0].settings", variables={"prometheus_install_method": "binary"}),
     Case("alertmanager (package)", "prometheus-alertmanager.service", 3.0, "prometheus",
-         packaged="prometheus-alertmanager.service",
-         dropins=(("alertmanager-hardening.conf.j2", "50-shardstack-hardening.conf"),)),
+         packaged="prometheus-alertmanager.service", hardening="__prometheus_hardening[1].settings"),
     Case("alertmanager (binary)", "prometheus-alertmanager.service", 3.0, "prometheus",
-         template="alertmanager.service.j2",
-         dropins=(("alertmanager-hardening.conf.j2", "50-shardstack-hardening.conf"),),
+         template="alertmanager.service.j2", hardening="__prometheus_hardening[1].settings",
          variables={"prometheus_install_method": "binary"}),
     Case("haproxy (package)", "haproxy.service", 3.0, "loadbalancer", packaged="haproxy.service",
-         dropins=(HARDENING,)),
+         hardening="__loadbalancer_hardening"),
     Case("grafana (package)", "grafana-server.service", 3.0, "grafana", packaged="grafana-server.service",
-         dropins=(("grafana-server.override.conf.j2", "shardstack.conf"), HARDENING)),
+         dropins=(("grafana-server.override.conf.j2", "shardstack.conf"),), hardening="__grafana_hardening"),
     Case("firewall loader", "shardstack-firewall.service", 3.0, "firewall",
          template="shardstack-firewall.service.j2"),
     Case("journal heartbeat", "shardstack-journal-heartbeat.service", 3.0, "journal",
@@ -113,11 +116,12 @@ CASES = [
          variables={"journal_forward_url": "https://es.example:9200"}),
     Case("artifacts prune", "shardstack-artifacts-prune.service", 3.0, "shared_storage",
          template="shardstack-artifacts-prune.service.j2"),
-    Case("munged (package)", "munge.service", 3.0, "munge", packaged="munge.service", dropins=(HARDENING,)),
+    Case("munged (package)", "munge.service", 3.0, "munge", packaged="munge.service",
+         hardening="__munge_hardening"),
     Case("slurmctld (package)", "slurmctld.service", 3.0, "slurm", packaged="slurmctld.service",
-         dropins=(HARDENING,)),
+         hardening="__slurm_hardening"),
     Case("slurmdbd (package)", "slurmdbd.service", 3.0, "slurm", packaged="slurmdbd.service",
-         dropins=(HARDENING,)),
+         hardening="__slurm_hardening"),
     Case("Slurm metrics", "shardstack-slurm-metrics.service", 3.0, "slurm",
          template="shardstack-slurm-metrics.service.j2"),
 ]
@@ -134,7 +138,8 @@ def packaged_unit(name: str) -> str:
 
 def lay_out(case: Case, root: Path, roles: Path | None = None) -> list[str]:
     """Write the case's unit and drop-ins under `root`; return the files written (relative). A drop-in template the
-    role (of another checkout) does not have is left out, so an older tree is scored as it deploys."""
+    role (of another checkout) does not have is left out, so an older tree is scored as it deploys: one from before
+    shardstack_common's hardening template with the role's own (LEGACY_HARDENING), one from before any without."""
     roles = roles or ansible_vars.ROLES
     saved, ansible_vars.ROLES = ansible_vars.ROLES, roles
     try:
@@ -151,12 +156,18 @@ def lay_out(case: Case, root: Path, roles: Path | None = None) -> list[str]:
     (root / rel).parent.mkdir(parents=True, exist_ok=True)
     (root / rel).write_text(text)
     written.append(rel)
-    for template, name in case.dropins:
-        if not (roles / case.role / "templates" / template).is_file():
-            continue
+    dropins = {name: ev.render(template) for template, name in case.dropins
+               if (roles / case.role / "templates" / template).is_file()}
+    if case.hardening:
+        legacy = LEGACY_HARDENING.get(case.unit_file, "hardening.conf.j2")
+        if (roles / "shardstack_common" / "templates" / "hardening.conf.j2").is_file():
+            dropins[HARDENING] = ev.render_hardening(case.hardening, case.unit_file.removesuffix(".service"))
+        elif (roles / case.role / "templates" / legacy).is_file():
+            dropins[HARDENING] = ev.render(legacy)
+    for name, text in dropins.items():
         rel = f"etc/systemd/system/{case.unit_file}.d/{name}"
         (root / rel).parent.mkdir(parents=True, exist_ok=True)
-        (root / rel).write_text(ev.render(template))
+        (root / rel).write_text(text)
         written.append(rel)
     return written
 

@@ -29,9 +29,11 @@ from collections import Counter
 from collections.abc import Callable, Iterator
 from concurrent.futures import FIRST_COMPLETED, ThreadPoolExecutor, wait
 from pathlib import Path
+from typing import Any
 
 import pytest
 import yaml
+from ansible_vars import RoleEval
 from journal_socket import JournalSocket
 from shardstack.errors import ShardstackError
 from shardstack.ops.endpoint import Endpoint, complete
@@ -221,6 +223,11 @@ def post(lb: dict, headers: dict[str, str] | None = None,
         return exc.code, exc.read(), {k.lower(): v for k, v in exc.headers.items()}
 
 
+def hardening_dropin(**variables: Any) -> str:
+    """haproxy's sandboxing drop-in, as shardstack_common's hardening.yml renders it from __loadbalancer_hardening."""
+    return RoleEval("loadbalancer", {}, **variables).render_hardening("__loadbalancer_hardening", "haproxy")
+
+
 def test_rendered_config_is_valid_for_haproxy() -> None:
     cfg = render("loadbalancer", "haproxy.cfg.j2", inventory_hostname="lb", ansible_host="10.0.0.1",
                  groups={"inference_nodes": ["n2", "n3"]},
@@ -234,14 +241,14 @@ def test_rendered_config_is_valid_for_haproxy() -> None:
     assert "option forwardfor" in cfg
     # The access log: journal fields by default (the drop-in binds the socket into the chroot), or syslog, or off.
     assert cfg.count("log /run/systemd/journal/socket len 8192 format raw") == 2
-    dropin = render("loadbalancer", "hardening.conf.j2")
+    dropin = hardening_dropin()
     assert "BindReadOnlyPaths=/run/systemd/journal/socket:/var/lib/haproxy/run/systemd/journal/socket" in dropin
     for mode, no_log in (("syslog", 0), ("off", 2)):
         other = render("loadbalancer", "haproxy.cfg.j2", loadbalancer_access_log=mode, inventory_hostname="lb",
                        groups={"inference_nodes": ["n2"]}, hostvars={"n2": {"ansible_host": "10.0.0.2"}},
                        __loadbalancer_stats_crypt={"stdout": "$6$x$y"})
         assert "journal" not in other and other.count("    no log\n") == no_log
-        assert "BindReadOnlyPaths" not in render("loadbalancer", "hardening.conf.j2", loadbalancer_access_log=mode)
+        assert "BindReadOnlyPaths" not in hardening_dropin(loadbalancer_access_log=mode)
 
 
 def test_each_server_gets_what_its_service_admits_unless_set() -> None:
