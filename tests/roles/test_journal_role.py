@@ -64,8 +64,14 @@ def test_nodes_upload_over_mutual_tls_to_the_first_monitoring_server(role_eval: 
     # A client certificate under the node's own name (journal-remote files its entries under it), from the cluster
     # CA in the same store as the loadbalancer's.
     assert (r["__journal_tls_usage"], r["__journal_tls_names"]) == ("client", ["n2"])
-    assert r["__journal_ca_cert_store"] == "/srv/inventory/credentials/cluster-ca.crt.txt"
+    assert r["journal_tls_store"] == "/srv/inventory/credentials"
     assert r["__journal_cert_store"] == "/srv/inventory/credentials/journal-n2.crt.txt"
+    # gate.yml reads the collector's pair by those names: they are what shardstack_common's cluster_certificate.yml
+    # issues for the role's prefix.
+    common = role_eval("shardstack_common", debian_container, inventory_hostname="n2",
+                       __shardstack_common_tls_store="/srv/inventory/credentials",
+                       __shardstack_common_tls_prefix="journal")
+    assert common["__shardstack_common_tls_own"] + ".key.txt" == r["__journal_key_store"]
 
 
 def test_plain_http_is_kept_for_debugging(role_eval: Any, debian_container: dict) -> None:
