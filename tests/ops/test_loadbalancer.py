@@ -468,8 +468,11 @@ def test_requests_beyond_every_servers_maxconn_wait_in_haproxys_queue(tmp_path: 
     a, b = Backend("127.0.0.2", port, "a", store), Backend("127.0.0.3", port, "b", store)
     a.gate = b.gate = gate = threading.Event()
     try:
+        # The servers never go down here: on a loaded host a check slower than its 200 ms interval must not take
+        # one out (a downed server would leave the second request queued too, and no server holding it).
         with running_haproxy(tmp_path, files, {"a": "127.0.0.2", "b": "127.0.0.3"}, port,
-                             loadbalancer_server_maxconn=1, loadbalancer_timeout_queue=queue) as running:
+                             loadbalancer_server_maxconn=1, loadbalancer_timeout_queue=queue,
+                             loadbalancer_health_fall=10_000) as running:
             wait_up(running["metrics"], {"a", "b"})
             ep = Endpoint(running["https"], None, files["ca_cert"])
             with ThreadPoolExecutor(3) as pool:
