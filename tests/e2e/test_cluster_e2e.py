@@ -1,19 +1,20 @@
 """End to end on a 3-node lab, through the same Python API the CLI uses (ansible-runner underneath).
 
 site.yml from bare nodes (or, under molecule default's verify, the cluster its converge deployed) and a re-deploy
-from a wheel (0 changed); the first day's verbs as the CLI runs them: a Llama made here placed with `model put`, the
-corpus tokenised with it on the cluster (`data prepare --cluster`), both owned by the job account; a 2-node ZeRO-3
-job fine-tuning it as the systemd unit, one worker killed mid-run and the job resuming from its last checkpoint, its
-metrics in Prometheus; `serve publish` (signed export on a train node), the inference tier serving the trained
-model through HAProxy over HTTPS (verified against the cluster CA), HAProxy reaching the backends over TLS too;
-validate with no finding; one backend stopped under steady load and a rolling upgrade to another checkpoint under
-load, each with zero failed client requests and every backend's /info reporting the new step; a hung engine killed
-by systemd's watchdog and serving again; at the edge, named keys (an in-flight limit, a key revoked by one run of
-the load balancer's stage under another key's load), a loop of 1 MiB prompts beside another client and a request
-that kills its backend (502, never replayed); an inference node cordoned under load (no failed request) and
-`status --json` against the lab; a train node drained under a 2-node job (the job stops at a checkpoint, the
-resubmit resumes without the node); the firewall dropping what its port plan does not name; and, after all of
-it, no secret in any ansible-runner artifact or molecule file.
+from a wheel (0 changed); then docs/quickstart-cluster.md's own commands (tests/e2e/quickstart.py: check, model put,
+data prepare --cluster, train submit/status/logs, serve publish, curl and the openai client, validate, status, logs),
+with the lab's names: a Llama made here placed with `model put`, the corpus tokenised with it on the cluster, both
+owned by the job account; a 2-node ZeRO-3 job fine-tuning it as the systemd unit, one worker killed mid-run and the
+job resuming from its last checkpoint, its metrics in Prometheus; `serve publish` (signed export on a train node,
+rollout), the inference tier serving the trained model through HAProxy over HTTPS (verified against the cluster CA),
+HAProxy reaching the backends over TLS too; validate with no finding; one backend stopped under steady load and a
+rolling upgrade to another checkpoint under load, each with zero failed client requests and every backend's /info
+reporting the new step; a hung engine killed by systemd's watchdog and serving again; at the edge, named keys (an
+in-flight limit, a key revoked by one run of the load balancer's stage under another key's load), a loop of 1 MiB
+prompts beside another client and a request that kills its backend (502, never replayed); an inference node cordoned
+under load (no failed request) and `status --json` against the lab; a train node drained under a 2-node job (the job
+stops at a checkpoint, the resubmit resumes without the node); the firewall dropping what its port plan does not
+name; and, after all of it, no secret in any ansible-runner artifact or molecule file.
 
 Takes ~10–15 min on the idle 2-core host with its own lab (site.yml's first run ~6 min) and up to 40 min under load.
 It runs with SHARDSTACK_E2E=1: `make e2e` on a lab of its own, or `make test` through molecule default's verify on
@@ -41,9 +42,9 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
+import yaml
 from shardstack.build.pretrained import CORPUS
 from shardstack.build.wheelhouse import build as build_wheelhouse
-from shardstack.cli.deploy import _gpu_cell
 from shardstack.cli.output import Progress
 from shardstack.lab import lab
 from shardstack.model.tokenizer import train_bpe
@@ -51,8 +52,9 @@ from shardstack.ops import cluster, endpoint, serve, storage, train
 from shardstack.ops.demo import demo_job
 from shardstack.ops.jobs.common import unit
 from shardstack.ops.runner import RunResult, project_dir, run_command, run_playbook
-from shardstack.ops.validate import run_validate
 from shardstack.serve.demo import write_random_model
+
+from .quickstart import Walk, blocks, commands, expect, section
 
 pytestmark = [
     pytest.mark.lab,
@@ -160,48 +162,67 @@ def _prometheus_max(inv: dict, metric: str) -> float | None:
     return float(result[0]["value"][1]) if result else None
 
 
-def _cli(lab3: Cluster, *args: str, timeout: int = 300) -> dict:
-    """`shardstack ARGS -i INVENTORY --json` as an operator runs it; its JSON."""
-    proc = subprocess.run([sys.executable, "-m", "shardstack", *args, "-i", str(lab3.inventory), "--json"],
-                          capture_output=True, text=True, timeout=timeout)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    return json.loads(proc.stdout)
+@pytest.fixture(scope="module")
+def walk(lab3: Cluster, tmp_path_factory: pytest.TempPathFactory) -> Walk:
+    """docs/quickstart-cluster.md's commands on this lab (tests/e2e/quickstart.py): its names, our lab's."""
+    inv, tmp = lab3.inv, tmp_path_factory.mktemp("quickstart")
+    credentials = endpoint.endpoint(lab3.inventory).cafile.parent
+    lb = cluster.address(inv, inv["groups"]["loadbalancer"][0])
+    return Walk(lab3.inventory, {
+        "inventory/prod/credentials": str(credentials), "inventory/prod": str(lab3.inventory), "192.0.2.31": lb,
+        "~/models/Llama-3.2-1B": str(tmp / MODEL), "llama-1b": MODEL, "~/corpus": str(CORPUS),
+        "corpus-llama": f"corpus-{MODEL}", "/srv/shardstack": str(cluster.shared_dir(inv)), "run1": JOB,
+        "job.yaml": str(tmp / "job.yaml"), "gpu03": sorted(inv["groups"]["inference_nodes"])[-1]})
 
 
-def test_a_model_put_from_here_and_its_corpus_prepared_on_the_cluster(lab3: Cluster, tmp_path: Path) -> None:
-    """The first day's verbs: a Hugging Face Llama made here (random weights, a BPE tokenizer trained on the shipped
-    corpus) goes to shared storage with `model put`, the corpus is tokenised with it there by `data prepare
-    --cluster`; both copies belong to the job account (root is squashed on an NFS export), every file's sha256
-    checked on the node."""
-    tok = tmp_path / "tokenizer"
+def test_the_quickstart_check_passes_and_names_what_production_must_set(walk: Walk) -> None:
+    (check,) = commands(4)
+    out = walk.run(check)
+    expect(r"check \(preflight\): successful in [\d.]+s — artifacts ", out)
+    warnings = [line for line in out.splitlines() if line.startswith("warning:")]
+    assert all(line.startswith("warning: production: ") for line in warnings), warnings
+
+
+def test_a_model_put_from_here_and_its_corpus_prepared_on_the_cluster(lab3: Cluster, walk: Walk) -> None:
+    """The first day's verbs, as the quickstart's section 7 runs them: a Hugging Face Llama made here (random
+    weights, a BPE tokenizer trained on the shipped corpus) goes to shared storage with `model put`, the corpus is
+    tokenised with it there by `data prepare --cluster`; both copies belong to the job account (root is squashed on
+    an NFS export), every file's sha256 checked on the node."""
+    model = Path(walk.subs["~/models/Llama-3.2-1B"])
+    tok = model.parent / "tokenizer"
     train_bpe([CORPUS], 512, tok)
-    model = write_random_model(tmp_path / MODEL, "tiny", seed=7, arch="llama", tokenizer=tok, fmt="hf")
-    put = _cli(lab3, "model", "put", str(model))
-    assert put["path"] == _placed(lab3) and put["files"] == len([f for f in model.rglob("*") if f.is_file()]), put
-    prep = _cli(lab3, "data", "prepare", "--cluster", str(CORPUS), "--out-name", f"corpus-{MODEL}", "--tokenizer",
-                put["path"], timeout=600)
-    assert prep["total_tokens"] > 100_000 and prep["vocab_size"] == 512 and prep["copied"]["files"] == 1, prep
+    write_random_model(model, "tiny", seed=7, arch="llama", tokenizer=tok, fmt="hf")
+    put_cmd, prepare_cmd = commands(7)
+    put = expect(r"^(\d+) file\(s\), [\d.]+ MiB, sha256 checked on the cluster; use it as model.init_from: (\S+)$",
+                 walk.run(put_cmd))
+    assert int(put[1]) == len([f for f in model.rglob("*") if f.is_file()]) and put[2] == _placed(lab3), put[0]
     head = lab3.inv["groups"]["train_nodes"][0]
     shared = cluster.shared_dir(lab3.inv)
-    owners = run_command(["sh", "-c", 'find "$@" -exec stat -c %U {} + | sort -u', "sh", put["path"],
+    prep = expect(r"^(\d+) tokens in \d+ shard\(s\) of uint(?:16|32) → (\S+) on (\S+) \(tokenizer: .+\); "
+                  r"use it as data.path: (\S+)$", walk.run(prepare_cmd))
+    assert int(prep[1]) > 100_000 and prep[2] == prep[4] == f"{shared}/data/corpus-{MODEL}" and prep[3] == head, prep[0]
+    owners = run_command(["sh", "-c", 'find "$@" -exec stat -c %U {} + | sort -u', "sh", put[2],
                           f"{shared}/data/corpus-{MODEL}", f"{shared}/data/corpus-{MODEL}-text"], lab3.inventory,
                          head)[head]
     assert owners.success and owners.stdout.split() == [cluster.job_account(lab3.inv)], owners
-    print(f"\nmodel put: {put['path']} ({put['files']} files, sha256 checked); data prepare --cluster: "
-          f"{prep['total_tokens']} tokens, vocabulary {prep['vocab_size']}; owned by {owners.stdout.strip()}")
+    print(f"\nmodel put: {put[0]}\ndata prepare --cluster: {prep[0]}\nowned by {owners.stdout.strip()}")
 
 
 def _placed(lab3: Cluster) -> str:
     return f"{cluster.shared_dir(lab3.inv)}/pretrained/{MODEL}"
 
 
-def test_two_node_job_survives_a_killed_worker(lab3: Cluster) -> None:
+def test_two_node_job_survives_a_killed_worker(lab3: Cluster, walk: Walk) -> None:
     # Fine-tunes the model `model put` placed, on the corpus `data prepare --cluster` tokenised with it.
+    # The quickstart's section 8 with a lab-sized job.yaml in place of its GPU one.
     job = demo_job(STEPS, cluster.shared_dir(lab3.inv), JOB, init_from=_placed(lab3))
     job["checkpoint"]["interval"] = 20
     job["metrics"]["log_every"] = 5
-    sub = train.submit(job, JOB, lab3.inventory, nodes=2)
-    assert sub.success, {h: (r.failed_task, r.message) for h, r in sub.hosts.items()}
+    Path(walk.subs["job.yaml"]).write_text(yaml.safe_dump(job))
+    submit, status, logs = commands(8)
+    out = walk.run(submit)
+    expect(rf"train submit {JOB}: successful in ", out)
+    expect(rf"^follow it: shardstack train status {JOB}; shardstack train logs {JOB}$", out)
     # On a worker node: wait for the step-40 checkpoint on shared storage, then SIGKILL that node's worker (the
     # torchrun agent's child, not the agent). One ad-hoc command, so the kill lands mid-run whatever the host load.
     victim = lab3.inv["groups"]["train_nodes"][1]
@@ -226,19 +247,34 @@ def test_two_node_job_survives_a_killed_worker(lab3: Cluster) -> None:
     assert resumed, "no resume from a checkpoint after the kill"
     assert all("(step 0," not in line for line in resumed), resumed
 
+    expect(rf"job {JOB}: finished, step {STEPS} loss [\d.]+", walk.run(status))
+    lines = walk.run(logs).splitlines()
+    hosts = set(lab3.inv["groups"]["train_nodes"])
+    assert {line.split(" | ")[0] for line in lines if " | " in line} == hosts, lines
+    assert len([line for line in lines if " | " in line]) <= 20 * len(hosts)
+
     seen = _prometheus_max(lab3.inv, "shardstack_train_step")
     print(f"\n{victim}: {killed.stdout.strip()}; {resumed[0].strip()}; finished at step {final.last_step['step']}; "
           f"Prometheus max shardstack_train_step {seen}")
     assert seen is not None and seen >= 45, f"Prometheus saw shardstack_train_step max {seen}"
 
 
-def test_export_and_serve_through_the_load_balancer(lab3: Cluster) -> None:
-    # `serve publish JOB@STEP` exports that checkpoint on a train node, signed, and switches exports/current; the
-    # rollout is the API's here, with this module's wheelhouse (the CLI's would use the deployed default).
-    pub = _cli(lab3, "serve", "publish", f"{JOB}@{STEPS}", "--no-rollout", timeout=600)
-    assert pub["step"] == STEPS and pub["signed"] and pub["path"].endswith(f"/exports/{JOB}-step_{STEPS:08d}"), pub
-    ro = serve.rollout(lab3.inventory, extravars=lab3.extravars)
-    assert ro.success, {h: (r.failed_task, r.message) for h, r in ro.hosts.items()}
+def test_export_and_serve_through_the_load_balancer(lab3: Cluster, walk: Walk) -> None:
+    # The quickstart's section 9: `serve publish JOB` exports the job's newest valid checkpoint (its last, step
+    # STEPS) on a train node, signed, switches exports/current and rolls the inference nodes over to it.
+    (publish,) = commands(9)
+    out = walk.run(publish)
+    shared = cluster.shared_dir(lab3.inv)
+    expect(rf"^exported {JOB} step {STEPS} \(signed\) on \S+ → {shared}/exports/{JOB}-step_{STEPS:08d}; "
+           rf"{shared}/exports/current → it$", out)
+    expect(r"serve rollout: successful in ", out)
+    # Section 10: curl and the official client, as written, through the load balancer.
+    (curl,) = commands(10)
+    answer = json.loads(walk.run(curl))
+    assert answer["object"] == "text_completion" and answer["model"] == "shardstack", answer
+    assert answer["choices"][0]["finish_reason"] in ("length", "stop"), answer
+    (client,) = blocks(section(10), "python")
+    assert walk.python(client).endswith("\n")  # it printed the completion's text (sampled: it may be blank)
     ep = endpoint.endpoint(lab3.inventory)
     assert ep.token and ep.url.startswith("https://") and ep.cafile and ep.cafile.is_file()
     unauth = endpoint.complete(dataclasses.replace(ep, token=None), "The ", max_tokens=4)
@@ -253,16 +289,22 @@ def test_export_and_serve_through_the_load_balancer(lab3: Cluster) -> None:
     assert p50 < 0.5
 
 
-def test_validate_finds_nothing_on_the_lab(lab3: Cluster) -> None:
-    """`shardstack validate` on the served cluster: every node a CPU node, gloo across the two train nodes."""
-    res, findings = run_validate(lab3.inventory)
-    gpu, ar = res.data.get("validate_gpu") or {}, res.data.get("validate_allreduce") or {}
-    print(f"\nvalidate in {res.seconds:.0f}s: findings {findings}; all-reduce {ar.get('backend')} over "
-          f"{ar.get('nodes')} nodes, busbw {ar.get('busbw_gbps', 0):.2f} Gbit/s")
-    assert findings == [], findings
-    assert set(gpu) == set(lab3.inv["groups"]["train_nodes"]) | set(lab3.inv["groups"]["inference_nodes"])
-    assert all(_gpu_cell(r).startswith("no NVIDIA hardware (CPU node)") for r in gpu.values()), gpu
-    assert ar["backend"] == "gloo" and ar["nodes"] == ar["world_size"] == 2 and ar["correct"] is True
+def test_validate_finds_nothing_on_the_lab(lab3: Cluster, walk: Walk) -> None:
+    """The quickstart's `shardstack validate` once a model is served: exit 0, no finding; every node a CPU node,
+    gloo across the two train nodes, a completion through the load balancer."""
+    (validate,) = commands(6)
+    started = time.monotonic()
+    out = walk.run(validate)
+    assert "FAILED" not in out, out[-4000:]
+    expect(r"validate: successful in ", out)
+    nodes = set(lab3.inv["groups"]["train_nodes"]) | set(lab3.inv["groups"]["inference_nodes"])
+    assert out.count("no NVIDIA hardware (CPU node)") == len(nodes), out[-4000:]
+    allreduce = expect(r"validate: all-reduce across the train nodes[\s\S]*?│ (\w+)\s+│ (\d+)\s+│ (\d+)\s+│.*"
+                       r"│ ([\d.]+) Gbit/s\s*│ (\w+)", out)
+    assert allreduce.group(1, 2, 3, 5) == ("gloo", "2", "2", "True"), allreduce[0]
+    expect(r"validate: inference", out)
+    print(f"\nvalidate in {time.monotonic() - started:.0f}s: no finding; all-reduce gloo over 2 nodes, busbw "
+          f"{allreduce[4]} Gbit/s")
 
 
 class Load:
@@ -416,9 +458,16 @@ def test_a_hung_engine_is_killed_by_the_watchdog_and_serves_again(lab3: Cluster)
     hung = run_command(["sh", "-c", f"python3 -c \"$0\" < {token_file} 2>&1 || true", probe], lab3.inventory,
                        victim, timeout=300)[victim]
     waited = time.monotonic() - started
-    journal = run_command(["journalctl", "-u", "shardstack-inference.service", "--since", "-5min", "--no-pager",
-                           "-o", "cat"], lab3.inventory, victim)[victim].stdout
-    assert "Failed with result 'watchdog'" in journal, journal[-2000:]
+    # systemd logs the watchdog's verdict once it has reaped the process the client saw go: read until it is there.
+    deadline = time.monotonic() + 60
+    while True:
+        read = run_command(["journalctl", "-u", "shardstack-inference.service", "--since", "-5min", "--no-pager",
+                            "-o", "cat"], lab3.inventory, victim)[victim]
+        assert read.success, read
+        if "Failed with result 'watchdog'" in read.stdout:
+            break
+        assert time.monotonic() < deadline, f"{hung.stdout!r}; journal: {read.stdout[-2000:]}"
+        time.sleep(2)
     after = int(_backend_show(lab3, victim, "NRestarts")["NRestarts"])
     assert after > restarts, (restarts, after)
     # Disarm and prove it serves: healthy behind the load balancer, completions answered.
@@ -686,7 +735,14 @@ def test_cordon_an_inference_node_under_load_fails_no_request(lab3: Cluster) -> 
     assert cordon.cordoned(lab3.inventory) == []
 
 
-def test_status_json_matches_the_lab(lab3: Cluster) -> None:
+def test_status_json_matches_the_lab(lab3: Cluster, walk: Walk) -> None:
+    # The quickstart's section 11 first, as written (not `--watch`, which never returns). Exit 1 says a node is
+    # DOWN or a critical alert fires (a test before may have left one firing; _status_json checks that agreement).
+    status, _watch, job_logs, errors = commands(11)
+    expect(r"shardstack status", walk.run(status, expect_rc=(0, 1)))
+    entries = expect(r"(\d+) entries from the central log store", walk.run(job_logs))
+    assert int(entries[1]) > 0, "the collector has no entry of the e2e job"
+    expect(r"\d+ entries from the central log store", walk.run(errors))
     st = _status_json(lab3)
     inv = lab3.inv
     hosts = {h for g in ("train_nodes", "inference_nodes", "loadbalancer", "monitoring_server", "storage_server")

@@ -14,6 +14,7 @@ from pathlib import Path
 
 import pytest
 import yaml
+from e2e.quickstart import _BLOCK, DOC, blocks, commands, section
 from shardstack.build.variables import PRODUCTION, load_roles
 from shardstack.cli import build_parser
 from shardstack.ops import train as train_ops
@@ -23,16 +24,8 @@ from shardstack.ops.production import unset_production_variables, warning_lines
 from .test_troubleshooting_doc import _exact, command_lines
 
 REPO = Path(__file__).resolve().parents[2]
-DOC = REPO / "docs" / "quickstart-cluster.md"
 README = REPO / "README.md"
 SHARED = "/srv/shardstack"
-
-_BLOCK = re.compile(r"^```([^\n]*)\n(.*?)^```", re.MULTILINE | re.DOTALL)
-
-
-def blocks(text: str, lang: str | None = None) -> list[str]:
-    """The fenced code blocks of `text` (with `lang`: only those whose info string is that language)."""
-    return [body for info, body in _BLOCK.findall(text) if lang is None or info.strip() == lang]
 
 
 def doc_commands(text: str) -> list[str]:
@@ -147,6 +140,17 @@ def test_the_sample_warnings_shown_are_the_real_ones() -> None:
              if line.startswith("warning: production:")]
     real = [f"warning: {line}" for line in warning_lines(unset_production_variables(REPO / "inventory" / "sample"))]
     assert shown == real
+
+
+def test_the_sections_the_e2e_walks_have_the_commands_it_runs() -> None:
+    """tests/e2e/quickstart.py reads these sections' commands and runs them on the lab in this shape: a doc edit that
+    changes it fails here, not 15 minutes into the e2e."""
+    walked = {n: commands(n) for n in (4, 6, 7, 8, 9, 10, 11)}
+    assert [len(c) for c in walked.values()] == [1, 1, 2, 3, 1, 1, 4], walked
+    assert walked[8][0] == "shardstack train submit --config job.yaml --name run1" and walked[9] == [
+        "shardstack serve publish run1"]
+    assert walked[10][0].startswith("curl ") and walked[11][1] == "shardstack status --watch 10"
+    assert len(blocks(section(10), "python")) == 1
 
 
 def test_the_readme_links_the_quickstart_near_its_top() -> None:
