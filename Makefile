@@ -83,12 +83,12 @@ unit: setup vllm-venv
 	$(BUDGET) stage unit -- pytest -q --durations=15 --junitxml=artifacts/budget/unit.xml
 
 # Every scenario: `default` (site.yml on three lab nodes, the checks of every role it applies, then tests/e2e),
-# `accelerators` (the GPU- and hardware-gated roles), `journal` and `slurm`. Each boots its own lab, named after the
+# `accelerators` (the GPU- and hardware-gated roles) and `slurm`. Each boots its own lab, named after the
 # scenario, so MOLECULE_JOBS of them run side by side; the longest start first so the queues end together. One line
 # per scenario here; the whole output in artifacts/molecule/<scenario>.log (a failed one's failed tasks below).
 # SCENARIOS=… runs some of them; runs of disjoint lists may overlap (each cleans only its own files).
 MOLECULE_JOBS ?= 2
-MOLECULE_FIRST := default accelerators slurm journal
+MOLECULE_FIRST := default accelerators slurm
 SCENARIOS ?= $(MOLECULE_FIRST) $(filter-out $(MOLECULE_FIRST),$(patsubst molecule/%/molecule.yml,%,$(wildcard molecule/*/molecule.yml)))
 
 molecule: setup
@@ -110,9 +110,7 @@ e2e: setup
 	SHARDSTACK_E2E=1 pytest -x -s tests/e2e
 
 # Two at a time on 2 cores, from one queue: molecule default (the longest, its e2e inside) from the start beside lint
-# and the unit tests (-O keeps each one's output together), then each other scenario as a lane comes free, the
-# shortest (journal) last so the lanes end together (with the stage times of the last clean-clone runs that order
-# ends 150-200 s sooner than slurm, journal, accelerators). The
+# and the unit tests (-O keeps each one's output together), then accelerators and slurm as the lanes come free. The
 # budget is 40 minutes; the table of every stage's seconds and test counts comes last, also when a stage failed.
 test: setup
 	@$(BUDGET) start
