@@ -3,8 +3,18 @@
 # ansible-core replaces `sys.intern` with a patch object when its module_utils are imported (the roles tests do),
 # and torch._dynamo, imported lazily on first use, then fails to register its polyfill for sys.intern. Importing
 # dynamo first, while sys.intern is still the builtin, lets both live in one pytest process.
+import os
+import sys
+from pathlib import Path
+
 import pytest
 import torch._dynamo  # noqa: F401
+
+# The node-side metrics scripts import the shared textfile writer, which the roles install beside them; here it
+# lives in shardstack_common's files/. In-process loads find it through sys.path, subprocess runs through PYTHONPATH.
+NODE_LIB = str(Path(__file__).resolve().parents[1] / "roles" / "shardstack_common" / "files")
+sys.path.append(NODE_LIB)
+os.environ["PYTHONPATH"] = os.pathsep.join(filter(None, (os.environ.get("PYTHONPATH"), NODE_LIB)))
 
 
 def pytest_addoption(parser: pytest.Parser) -> None:

@@ -103,9 +103,3 @@ def test_metrics_textfile() -> None:
     for body in (text, collector.failed(1764579600.0)):
         proc = subprocess.run([promtool, "check", "metrics"], input=body, capture_output=True, text=True, timeout=60)
         assert proc.returncode == 0, proc.stdout + proc.stderr
-
-
-def test_collector_writes_atomically(tmp_path: Path) -> None:
-    collector.write(str(tmp_path), "slurm_scrape_success 1\n")
-    assert [p.name for p in tmp_path.iterdir()] == ["slurm.prom"]
-    assert (tmp_path / "slurm.prom").stat().st_mode & 0o777 == 0o644

@@ -3,23 +3,23 @@
 turned into node_exporter textfile metrics (shardstack_gpu_health_*, one `gpu` label per card).
 
 Shipped by the dcgm_exporter role and run by shardstack-gpu-health.timer. Standard library only: it runs with the
-node's system python3, beside no venv. The output file is written to a temporary file and renamed into place, so
-node_exporter never reads half of it. `--nvidia-smi-output`, `--kernel-log` and `--dcgmi-output` read recorded
-outputs instead of running the tools (tests, and replaying what a node printed).
+node's system python3, beside no venv. The output file is written by the shared writer (shardstack_textfile:
+atomic, fsync'd), so node_exporter never reads half of it. `--nvidia-smi-output`, `--kernel-log` and
+`--dcgmi-output` read recorded outputs instead of running the tools (tests, and replaying what a node printed).
 """
 
 from __future__ import annotations
 
 import argparse
-import os
 import re
 import shutil
 import subprocess
 import sys
-import tempfile
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
+
+from shardstack_textfile import escape, write  # beside this script (shardstack_common)
 
 # nvidia-smi --query-gpu fields, in this order (`nvidia-smi --help-query-gpu`). clocks_throttle_reasons.* are the
 # names every driver since 450 accepts (newer ones call them clocks_event_reasons.* and keep the old names).
@@ -172,10 +172,6 @@ def parse_dcgmi_health(text: str, report: Report) -> bool:
     return True
 
 
-def _escape(value: str) -> str:
-    return value.replace("\\", "\\\\").replace('"', '\\"').replace("\n", "\\n")
-
-
 def render(report: Report) -> str:
     lines: list[str] = []
     for suffix, samples in sorted(report.samples.items()):
@@ -183,26 +179,10 @@ def render(report: Report) -> str:
         kind, text = HELP[suffix]
         lines += [f"# HELP {name} {text}", f"# TYPE {name} {kind}"]
         for labels, value in samples:
-            label_text = ",".join(f'{k}="{_escape(v)}"' for k, v in sorted(labels.items()))
+            label_text = ",".join(f'{k}="{escape(v)}"' for k, v in sorted(labels.items()))
             number = repr(value) if value != int(value) else str(int(value))
             lines.append(f"{name}{{{label_text}}} {number}" if label_text else f"{name} {number}")
     return "\n".join(lines) + "\n"
-
-
-def write_atomically(directory: Path, name: str, text: str) -> Path:
-    """A temporary file in the same directory, fsynced, mode 0644, renamed over the old one."""
-    fd, tmp = tempfile.mkstemp(prefix=f".{name}.", dir=directory)
-    try:
-        with os.fdopen(fd, "w") as handle:
-            handle.write(text)
-            handle.flush()
-            os.fsync(handle.fileno())
-        os.chmod(tmp, 0o644)
-        os.replace(tmp, directory / name)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
-    return directory / name
 
 
 def _run(argv: list[str]) -> str | None:
@@ -260,7 +240,7 @@ def main(argv: list[str] | None = None) -> int:
         dcgm = _run([args.dcgmi, "health", "-g", "0", "-c"])
     else:
         dcgm = None
-    path = write_atomically(args.textfile_dir, OUTPUT_NAME, render(patrol(smi, kernel, dcgm)))
+    path = write(args.textfile_dir / OUTPUT_NAME, render(patrol(smi, kernel, dcgm)))
     print(f"shardstack-gpu-health: wrote {path}")
     return 0
 

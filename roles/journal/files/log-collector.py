@@ -28,6 +28,8 @@ import sys
 import time
 from pathlib import Path
 
+from shardstack_textfile import escape, write  # beside this script (shardstack_common)
+
 # remote-<source>.journal, archived remote-<source>@<seqnum id>-<seqnum>-<time>.journal, unclean *.journal~
 FILE_RE = re.compile(r"^remote-(?P<source>.+?)(?:@[0-9a-f]+-[0-9a-f]+-[0-9a-f]+)?\.journal~?$")
 LOCAL = "local"  # the collector's own journal: it does not upload to itself
@@ -84,10 +86,6 @@ def store_limit(store: Path, share: float, keep_free: float) -> int:
     return max(0, int(min(total * share / 100, store_bytes(store) + avail - total * keep_free / 100)))
 
 
-def _escape(value: str) -> str:
-    return value.replace("\\", "\\\\").replace('"', '\\"').replace("\n", "\\n")
-
-
 def render(state: dict, now: float, size: int, limit: int) -> str:
     lines = [
         "# HELP shardstack_logs_received_entries_total Journal entries the log collector received from each node.",
@@ -95,7 +93,7 @@ def render(state: dict, now: float, size: int, limit: int) -> str:
     ]
     rows = sorted(state["sources"].items())
     for source, s in rows:
-        lines.append(f'shardstack_logs_received_entries_total{{host="{_escape(s["host"])}",source="{_escape(source)}"}}'
+        lines.append(f'shardstack_logs_received_entries_total{{host="{escape(s["host"])}",source="{escape(source)}"}}'
                      f' {s["entries"]}')
     lines += [
         "# HELP shardstack_logs_last_received_timestamp_seconds When the log collector last received an entry from"
@@ -104,8 +102,8 @@ def render(state: dict, now: float, size: int, limit: int) -> str:
     ]
     for source, s in rows:
         if s.get("last") is not None:
-            lines.append(f'shardstack_logs_last_received_timestamp_seconds{{host="{_escape(s["host"])}",'
-                         f'source="{_escape(source)}"}} {s["last"]:.3f}')
+            lines.append(f'shardstack_logs_last_received_timestamp_seconds{{host="{escape(s["host"])}",'
+                         f'source="{escape(source)}"}} {s["last"]:.3f}')
     lines += [
         "# HELP shardstack_logs_store_bytes Size of the central journal store.",
         "# TYPE shardstack_logs_store_bytes gauge",
@@ -118,13 +116,6 @@ def render(state: dict, now: float, size: int, limit: int) -> str:
         f"shardstack_logs_collector_last_run_timestamp_seconds {now:.3f}",
     ]
     return "\n".join(lines) + "\n"
-
-
-def write_atomic(path: Path, text: str, mode: int = 0o644) -> None:
-    tmp = path.with_name(f".{path.name}.tmp")
-    tmp.write_text(text)
-    tmp.chmod(mode)
-    os.replace(tmp, path)
 
 
 def metrics(args: argparse.Namespace) -> int:
@@ -145,8 +136,8 @@ def metrics(args: argparse.Namespace) -> int:
         s["host"] = args.local_name if source == LOCAL else names.get(source) or hostname or s["host"]
     store = Path(args.store)
     text = render(state, now, store_bytes(store), store_limit(store, args.disk_share, args.keep_free))
-    write_atomic(Path(args.textfile), text)
-    write_atomic(state_file, json.dumps(state), 0o600)
+    write(Path(args.textfile), text)
+    write(state_file, json.dumps(state), 0o600)
     return 0
 
 

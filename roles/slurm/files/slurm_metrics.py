@@ -2,8 +2,9 @@
 """Slurm's nodes and queue as Prometheus metrics, for node_exporter's textfile collector.
 
 Run by shardstack-slurm-metrics.timer on the controller: `scontrol show node -o` and `squeue`, rendered to
-<dir>/slurm.prom through a temporary file and a rename, so node_exporter never reads half a file. When Slurm
-does not answer, only slurm_scrape_success 0 and the timestamp are written (the alerts key on them).
+<dir>/slurm.prom through the shared writer (shardstack_textfile: atomic, fsync'd), so node_exporter never reads
+half a file. When Slurm does not answer, only slurm_scrape_success 0 and the timestamp are written (the alerts key
+on them).
 Standard library only: it runs with the node's python3, not the training venv.
 """
 
@@ -13,9 +14,10 @@ import os
 import re
 import subprocess
 import sys
-import tempfile
 import time
 from collections import Counter
+
+from shardstack_textfile import escape, write  # beside this script (shardstack_common)
 
 _FIELD = re.compile(r"(\w+)=(.*?)(?=\s+\w+=|$)")
 
@@ -48,10 +50,6 @@ def tres(value: str, key: str) -> int:
     return 0
 
 
-def _label(value: str) -> str:
-    return value.replace("\\", "\\\\").replace('"', '\\"').replace("\n", " ")
-
-
 def render(nodes_text: str, jobs_text: str, now: float) -> str:
     """The textfile: node states, CPUs and GPUs per node, jobs by state and partition, pending jobs by reason."""
     out: list[str] = []
@@ -60,7 +58,7 @@ def render(nodes_text: str, jobs_text: str, now: float) -> str:
         out.append(f"# HELP {name} {help_text}")
         out.append(f"# TYPE {name} gauge")
         for labels, value in samples:
-            text = ",".join(f'{k}="{_label(v)}"' for k, v in labels.items())
+            text = ",".join(f'{k}="{escape(v)}"' for k, v in labels.items())
             out.append(f"{name}{{{text}}} {value:g}" if text else f"{name} {value:g}")
 
     nodes = parse_nodes(nodes_text)
@@ -111,14 +109,6 @@ def collect(now: float) -> str:
     return render(nodes, jobs, now)
 
 
-def write(directory: str, text: str) -> None:
-    fd, tmp = tempfile.mkstemp(prefix=".slurm.prom.", dir=directory)
-    with os.fdopen(fd, "w") as f:
-        f.write(text)
-    os.chmod(tmp, 0o644)
-    os.replace(tmp, os.path.join(directory, "slurm.prom"))
-
-
 def main(argv: list[str]) -> int:
     if len(argv) != 2:
         print("usage: slurm_metrics.py TEXTFILE_DIR  (or - for stdout)", file=sys.stderr)
@@ -127,7 +117,7 @@ def main(argv: list[str]) -> int:
     if argv[1] == "-":
         sys.stdout.write(text)
     else:
-        write(argv[1], text)
+        write(os.path.join(argv[1], "slurm.prom"), text)
     return 0
 
 
