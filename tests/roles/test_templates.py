@@ -250,3 +250,15 @@ def test_the_prune_tool_is_found_in_a_checkout_and_in_the_wheel(role_eval: Any, 
     (wheel / "node/artifacts.py").write_text("# the module\n")
     there = role_eval("shared_storage", debian_container, role_path=str(wheel / "_ansible/roles/shared_storage"))
     assert Path(there["__shared_storage_prune_source"]).resolve() == wheel / "node/artifacts.py"
+
+
+def test_loadbalancer_reads_the_pair_cluster_certificate_issues(role_eval: Any, debian_container: dict) -> None:
+    """vars/main.yml names the pair the haproxy PEM is built from; they must be what shardstack_common's
+    cluster_certificate.yml issues for the role's prefix, or the PEM would read a file nobody wrote."""
+    store = "/srv/inventory/credentials"
+    lb = role_eval("loadbalancer", debian_container, inventory_hostname="lb01", loadbalancer_tls_store=store)
+    common = role_eval("shardstack_common", debian_container, inventory_hostname="lb01",
+                       __shardstack_common_tls_store=store, __shardstack_common_tls_prefix="loadbalancer")
+    own = common["__shardstack_common_tls_own"]
+    assert (lb["__loadbalancer_cert"], lb["__loadbalancer_key"]) == (own + ".crt.txt", own + ".key.txt")
+    assert lb["__loadbalancer_ca_cert"] == f"{store}/cluster-ca.crt.txt"
