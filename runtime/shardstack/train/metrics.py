@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import logging
+import re
 import resource
 import sys
 import time
@@ -18,18 +19,26 @@ from shardstack.train.config import MetricsConfig
 
 log = logging.getLogger("shardstack.metrics")
 
-# Dense bf16 tensor-core peaks (TFLOP/s, no sparsity) from the vendors' datasheets; matched on the device name.
-GPU_PEAK_TFLOPS: dict[str, float] = {
-    "H200": 989.0,
-    "H100": 989.0,
-    "H800": 989.0,
-    "GH200": 989.0,
-    "A100": 312.0,
-    "A800": 312.0,
-    "L40S": 362.0,
-    "A10G": 70.0,
-    "L4": 121.0,
-}
+# Dense bf16 tensor-core peaks per GPU (TFLOP/s, no sparsity: half the datasheets' headline figures), matched on
+# torch's device name; the first pattern that matches wins, so a form factor (PCIe, NVL) comes before its SXM part.
+GPU_PEAK_TFLOPS: tuple[tuple[str, float], ...] = (
+    (r"\bGB200\b", 2500.0),
+    (r"\bB200\b", 2250.0),
+    (r"\bB100\b", 1750.0),
+    (r"\bH[12]00 NVL\b", 835.0),
+    (r"\bH100 PCIe\b", 756.0),
+    (r"\bG?H[12]00\b|\bH800\b", 989.0),  # SXM: "NVIDIA H100 80GB HBM3", "NVIDIA H200", "NVIDIA GH200 480GB"
+    (r"\bA[18]00\b", 312.0),  # SXM and PCIe alike
+    (r"\bL40S\b", 362.0),
+    (r"\bL40\b", 181.0),
+    (r"\bL4\b", 121.0),
+    (r"\bA10G\b", 70.0),
+)
+
+
+def gpu_peak_tflops(name: str) -> float | None:
+    """The table's dense bf16 peak for a device name, None for a GPU it does not know."""
+    return next((value for pattern, value in GPU_PEAK_TFLOPS if re.search(pattern, name)), None)
 
 
 def _cpu_matmul_tflops(n: int = 512, seconds: float = 0.3) -> float:
@@ -49,10 +58,11 @@ def peak_tflops(device: torch.device, configured: float | None) -> tuple[float, 
         return configured, "metrics.peak_tflops"
     if device.type == "cuda":
         name = torch.cuda.get_device_name(device)
-        for key, value in GPU_PEAK_TFLOPS.items():
-            if key in name:
-                return value, f"{name} bf16 dense datasheet"
-        raise ShardstackError(f"no known peak FLOP/s for {name}", hint="set metrics.peak_tflops")
+        if (value := gpu_peak_tflops(name)) is not None:
+            return value, f"{name} bf16 dense datasheet"
+        raise ShardstackError(f"no known peak FLOP/s for {name!r}: MFU needs the GPU's dense bf16 peak",
+                              hint="set metrics.peak_tflops in the job config to the datasheet's dense (not sparse) "
+                                   "bf16 TFLOP/s of one GPU")
     return _cpu_matmul_tflops(), f"measured CPU fp32 matmul ({torch.get_num_threads()} threads)"
 
 
