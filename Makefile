@@ -60,15 +60,22 @@ $(STAMP): pyproject.toml
 	$(BIN)/pip install -q -e ".[$(EXTRAS)]"
 	rm -f $(VENV)/.installed-* && touch $@
 
-# The vLLM engine's venv as the nodes get it (`shardstack wheelhouse --venv vllm`, hash-checked, --no-deps: the lock
-# leaves out the wheels vLLM requires but text generation never imports), minus the shardstack wheel: this
-# checkout's runtime/ runs in it (PYTHONPATH). 1.5 GB: built once per lock in the cache, linked from the venv.
+# A venv from a wheelhouse's dependencies as the nodes install them (hash-checked, --no-deps, offline), minus the
+# shardstack wheel: this checkout's runtime/ runs in it (PYTHONPATH). Built once per lock under the cache; prints its
+# path. $(1): the `shardstack wheelhouse` arguments, $(2): the cache name's prefix.
+define venv_from_wheelhouse
+deps=$$($(BIN)/shardstack wheelhouse $(1) --deps-only) || exit 1; dest=$(SHARDSTACK_CACHE)/venvs/$(2)-$$(basename $$deps); \
+if [ ! -e $$dest/.ready ]; then echo "installing $$deps into $$dest" >&2; rm -rf $$dest.tmp; \
+  python3 -m venv $$dest.tmp && $$dest.tmp/bin/pip install -q --no-index --no-deps --disable-pip-version-check \
+    --require-hashes --find-links $$deps -r $$deps/deps.lock >&2 || exit 1; \
+  touch $$dest.tmp/.ready && rm -rf $$dest && mv $$dest.tmp $$dest; fi; \
+echo $$dest
+endef
+
+# The vLLM engine's venv as the nodes get it (`shardstack wheelhouse --venv vllm`; the lock leaves out the wheels
+# vLLM requires but text generation never imports). 1.5 GB, linked from the venv.
 vllm-venv: venv
-	@deps=$$($(BIN)/shardstack wheelhouse --venv vllm --deps-only); dest=$(SHARDSTACK_CACHE)/venvs/vllm-$$(basename $$deps); \
-	if [ ! -e $$dest/.ready ]; then echo "vllm-venv: installing $$deps into $$dest"; rm -rf $$dest.tmp; \
-	  python3 -m venv $$dest.tmp && $$dest.tmp/bin/pip install -q --no-index --no-deps --disable-pip-version-check \
-	    --require-hashes --find-links $$deps -r $$deps/deps.lock && touch $$dest.tmp/.ready && rm -rf $$dest && mv $$dest.tmp $$dest; fi; \
-	ln -sfn $$dest $(VENV)/vllm
+	@dest=$$($(call venv_from_wheelhouse,--venv vllm,vllm)); ln -sfn $$dest $(VENV)/vllm
 
 demo: setup
 	$(BIN)/shardstack demo
@@ -155,10 +162,16 @@ pretrained: setup
 docs-variables: venv
 	$(BIN)/python -m shardstack.build.variables --write docs/variables.md
 
-# The GPU path on this machine (bench/gpu_selftest.py): JSON lines, non-zero if a GPU check fails; without NVIDIA
-# hardware only its CPU part runs. Needs only python3-venv, not the lab's packages.
+# The GPU path on this machine (bench/gpu_selftest.py): JSON lines, non-zero if a check fails; without NVIDIA hardware
+# only its CPU part runs. The preflight runs from the project's venv (ansible); the torch checks from a venv of the
+# wheelhouse a node with this machine's driver gets (`--accelerator auto`: the class for the loaded driver branch),
+# not the project venv's torch, whose CUDA build PyPI picks whatever the driver.
 gpu-check: venv
-	$(BIN)/python bench/gpu_selftest.py
+	@row=$$(mktemp); trap 'rm -f $$row' EXIT; \
+	$(BIN)/python bench/gpu_selftest.py --checks preflight | tee $$row && pre=0 || pre=$$?; \
+	dest=$$($(call venv_from_wheelhouse,--accelerator auto,gpu-check)); \
+	PYTHONPATH=$(CURDIR)/runtime $$dest/bin/python bench/gpu_selftest.py --preflight-row $$row \
+	  --checks facts,cuda,train_nccl,serve_cuda,gpu_step && rc=0 || rc=$$?; exit $$(( pre || rc ))
 
 clean:
 	-for n in $$($(BIN)/shardstack lab list 2>/dev/null); do $(BIN)/shardstack lab down --name $$n; done

@@ -1,7 +1,7 @@
 """The GPU path end to end on this machine, in one command and under 10 minutes: one JSON line per check.
 
     python3 -m venv /tmp/v && /tmp/v/bin/pip install -e '.[train,serve,ops]' && /tmp/v/bin/python bench/gpu_selftest.py
-    make gpu-check                                     # the same from the project's venv
+    make gpu-check     # the preflight from the project's venv, the rest from this driver's wheelhouse (Makefile)
 
 checks (seconds on one H200 in parentheses are budgets, not measurements):
   preflight   playbooks/preflight.yml against this machine (local inventory, --check): its hardware facts  (~30 s)
@@ -204,6 +204,9 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--checks", default=",".join(CHECKS), help=f"comma-separated subset of {','.join(CHECKS)}")
     ap.add_argument("--out", type=Path, default=None, help="also append the JSON lines here")
+    ap.add_argument("--preflight-row", type=Path, default=None,
+                    help="a file holding the preflight's JSON line from an earlier run (make gpu-check runs the "
+                         "preflight from the project's venv, the torch checks from another): facts compares with it")
     args = ap.parse_args()
     wanted = [c.strip() for c in args.checks.split(",") if c.strip()]
     if unknown := set(wanted) - set(CHECKS):
@@ -211,6 +214,8 @@ def main() -> int:
     os.environ.setdefault("SHARDSTACK_HOME", str(REPO))
     work = Path(tempfile.mkdtemp(prefix="shardstack-selftest-"))
     st = SelfTest(wanted, args.out, work)
+    if args.preflight_row:
+        st.hardware = json.loads(args.preflight_row.read_text().splitlines()[0]).get("hardware")
     try:
         st.run("preflight", st.preflight)
         st.run("facts", st.probe)
