@@ -1,0 +1,159 @@
+"""The inference autoscaler's decision: from the tier's load (what Prometheus records for every replica, whichever
+engine) to a replica count between a floor and `max_replicas`, with hysteresis and cooldowns, so a noisy minute
+neither adds nor removes a replica. Pure: the caller reads the signals and carries the state; every decision keeps
+its inputs, so a log line or a metric can say why.
+
+The rule, per evaluation:
+- the floor is `min_replicas`, or a schedule's higher floor while it is in force (e.g. the day's peak hours);
+- the load per replica is (running + waiting) / replicas; the tier is *saturated* when that exceeds
+  `target_load`, when requests wait more than `max_waiting` per replica, when TTFT p95 exceeds `max_ttft_p95`, or
+  when the tier answered 429s. Saturated: want ceil((running + waiting) / target_load) replicas (at least one more);
+- it is *idle* when the load per replica, spread over one replica less, stays under `scale_down_ratio` ×
+  `target_load`, nothing waits and nothing was refused: want one replica less;
+- the wish is clamped to [floor, max_replicas]; a scale-up waits `up_cooldown` after the last change, a scale-down
+  `down_cooldown` (longer: a replica costs a model load to bring back). Below the floor or above the maximum the
+  count is corrected at once.
+"""
+
+from __future__ import annotations
+
+import math
+import re
+from collections.abc import Sequence
+from dataclasses import asdict, dataclass, field
+from datetime import datetime, time
+from typing import Any, Literal
+
+from shardstack.errors import ShardstackError
+
+Action = Literal["up", "down", "hold"]
+
+
+@dataclass(frozen=True)
+class ScheduleFloor:
+    """A higher floor between two wall-clock times of day (`start` ≤ t < `end`; across midnight when end < start)."""
+
+    start: time
+    end: time
+    min_replicas: int
+
+    def active(self, now: datetime) -> bool:
+        t = now.time()
+        return self.start <= t < self.end if self.start <= self.end else (t >= self.start or t < self.end)
+
+    @classmethod
+    def parse(cls, spec: str) -> ScheduleFloor:
+        """`HH:MM-HH:MM=N`, e.g. `08:00-20:00=3`."""
+        m = re.fullmatch(r"\s*(\d\d):(\d\d)-(\d\d):(\d\d)=(\d+)\s*", spec)
+        if not m:
+            raise ShardstackError(f"schedule floor {spec!r}: expected HH:MM-HH:MM=N (e.g. 08:00-20:00=3)")
+        h1, m1, h2, m2, n = (int(g) for g in m.groups())
+        if h1 > 23 or h2 > 23 or m1 > 59 or m2 > 59 or (h1, m1) == (h2, m2):
+            raise ShardstackError(f"schedule floor {spec!r}: not a time range of a day")
+        return cls(time(h1, m1), time(h2, m2), n)
+
+
+@dataclass(frozen=True)
+class Policy:
+    min_replicas: int = 1
+    max_replicas: int = 2
+    target_load: float = 8.0  # running + waiting requests one replica should carry
+    max_waiting: float = 4.0  # waiting requests per replica that count as saturated whatever the load
+    max_ttft_p95: float | None = 2.0  # seconds; None: TTFT is not a signal
+    scale_down_ratio: float = 0.5  # hysteresis: scale down only below this share of target_load (after removal)
+    up_cooldown: float = 60.0  # seconds after the last change before a scale-up
+    down_cooldown: float = 300.0  # seconds after the last change before a scale-down
+    floors: Sequence[ScheduleFloor] = field(default_factory=tuple)
+
+    def __post_init__(self) -> None:
+        problems = []
+        if not 0 <= self.min_replicas <= self.max_replicas:
+            problems.append(f"0 ≤ min_replicas ({self.min_replicas}) ≤ max_replicas ({self.max_replicas})")
+        if self.target_load <= 0 or self.max_waiting < 0:
+            problems.append("target_load > 0 and max_waiting ≥ 0")
+        if not 0 < self.scale_down_ratio < 1:
+            problems.append(f"0 < scale_down_ratio ({self.scale_down_ratio}) < 1")
+        if self.up_cooldown < 0 or self.down_cooldown < 0:
+            problems.append("cooldowns ≥ 0")
+        problems += [f"a schedule floor of {f.min_replicas} within [0, max_replicas]" for f in self.floors
+                     if not 0 <= f.min_replicas <= self.max_replicas]
+        if problems:
+            raise ShardstackError("autoscale policy: need " + "; ".join(problems))
+
+    def floor(self, now: datetime) -> int:
+        return max([self.min_replicas] + [f.min_replicas for f in self.floors if f.active(now)])
+
+
+@dataclass(frozen=True)
+class Signals:
+    """The tier's load as Prometheus has it, summed over the replicas that serve."""
+
+    replicas: int  # replicas that exist now (serving or starting)
+    running: float  # requests being generated
+    waiting: float  # requests admitted and waiting for a slot
+    ttft_p95: float | None = None  # seconds, over the last window; None when nothing was served
+    refused_per_second: float = 0.0  # 429s the tier answered, over the last window
+
+
+@dataclass(frozen=True)
+class Decision:
+    replicas: int  # the count wanted now
+    action: Action
+    reason: str
+    floor: int
+    signals: Signals
+    saturated: bool  # also true when at max_replicas and unable to grow (the alert's condition)
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+    def line(self) -> str:
+        """One journal line: the decision and every input it was made from."""
+        s = self.signals
+        ttft = "-" if s.ttft_p95 is None else f"{s.ttft_p95:.3f}s"
+        return (f"autoscale: {self.action} {s.replicas}→{self.replicas} ({self.reason}); running={s.running:g} "
+                f"waiting={s.waiting:g} ttft_p95={ttft} refused/s={s.refused_per_second:g} floor={self.floor}")
+
+
+def decide(policy: Policy, signals: Signals, *, now: datetime, since_change: float) -> Decision:
+    """The replica count for these signals; `since_change`: seconds since the count last changed."""
+    current, floor = signals.replicas, policy.floor(now)
+    load = signals.running + signals.waiting
+    per_replica = load / current if current else math.inf if load else 0.0
+    reasons = []
+    if per_replica > policy.target_load:
+        reasons.append(f"load {per_replica:.1f}/replica > {policy.target_load:g}")
+    if current and signals.waiting / current > policy.max_waiting:
+        reasons.append(f"waiting {signals.waiting / current:.1f}/replica > {policy.max_waiting:g}")
+    if policy.max_ttft_p95 is not None and signals.ttft_p95 is not None and signals.ttft_p95 > policy.max_ttft_p95:
+        reasons.append(f"TTFT p95 {signals.ttft_p95:.2f}s > {policy.max_ttft_p95:g}s")
+    if signals.refused_per_second > 0:
+        reasons.append(f"{signals.refused_per_second:g} refused/s")
+    saturated = bool(reasons)
+
+    def made(replicas: int, action: Action, reason: str) -> Decision:
+        return Decision(replicas, action, reason, floor, signals, saturated)
+
+    if current < floor:
+        return made(floor, "up", f"below the floor of {floor}")
+    if current > policy.max_replicas:
+        return made(policy.max_replicas, "down", f"above max_replicas {policy.max_replicas}")
+    if saturated:
+        want = min(policy.max_replicas, max(current + 1, math.ceil(load / policy.target_load)))
+        if want <= current:
+            return made(current, "hold", f"at max_replicas {policy.max_replicas} and saturated: " + "; ".join(reasons))
+        if since_change < policy.up_cooldown:
+            return made(current, "hold", f"saturated, in the scale-up cooldown ({since_change:.0f}s of "
+                                         f"{policy.up_cooldown:g}s): " + "; ".join(reasons))
+        return made(want, "up", "saturated: " + "; ".join(reasons))
+    fewer = current - 1
+    left = load / fewer if fewer > 0 else math.inf if load else 0.0  # the load each remaining replica would carry
+    idle = (fewer >= floor and signals.waiting == 0 and signals.refused_per_second == 0
+            and left < policy.scale_down_ratio * policy.target_load)
+    if not idle:
+        return made(current, "hold", "within target" if current > floor else f"at the floor of {floor}")
+    if since_change < policy.down_cooldown:
+        return made(current, "hold", f"idle, in the scale-down cooldown ({since_change:.0f}s of "
+                                     f"{policy.down_cooldown:g}s)")
+    return made(fewer, "down", f"idle: load {load:g} over {fewer} replica(s) < "
+                               f"{policy.scale_down_ratio:g} × {policy.target_load:g}")
