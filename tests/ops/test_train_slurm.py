@@ -10,7 +10,8 @@ from pathlib import Path
 import pytest
 import yaml
 from shardstack.errors import ShardstackError
-from shardstack.ops import cluster, train
+from shardstack.ops import train
+from shardstack.ops.inventory import Cluster
 from shardstack.ops.jobs.common import JobStatus, identifier
 from shardstack.ops.jobs.slurm import SlurmJob, parse_slurm_job, state_of
 
@@ -61,9 +62,9 @@ def _inventory(tmp_path: Path, scheduler: str) -> Path:
 
 
 def test_the_scheduler_is_the_inventorys(tmp_path: Path) -> None:
-    assert train.scheduler(_inventory(tmp_path, "slurm")) == "slurm"
+    assert Cluster.load(_inventory(tmp_path, "slurm")).scheduler == "slurm"
     with pytest.raises(ShardstackError, match="shardstack_scheduler is 'cron'"):
-        train.scheduler(_inventory(tmp_path, "cron"))
+        _ = Cluster.load(_inventory(tmp_path, "cron")).scheduler
 
 
 @pytest.mark.parametrize(("scheduler", "options", "message"), [
@@ -76,7 +77,7 @@ def test_the_scheduler_is_the_inventorys(tmp_path: Path) -> None:
 def test_slurm_options_are_checked_before_anything_runs(tmp_path: Path, scheduler: str, options: dict,
                                                          message: str) -> None:
     with pytest.raises(ShardstackError, match=message):
-        train.submit({}, "job", _inventory(tmp_path, scheduler), **options)
+        train.submit({}, "job", Cluster.load(_inventory(tmp_path, scheduler)), **options)
 
 
 def test_slurm_names_and_time_limits() -> None:
@@ -161,11 +162,12 @@ def test_slurm_jobs_are_the_training_users(tmp_path: Path) -> None:
     default = yaml.safe_load((roles / "training_runtime" / "defaults" / "main.yml").read_text())
     assert default["training_runtime_user"] == "{{ shardstack_user }}"
     inventory = _inventory(tmp_path, "slurm")
-    assert cluster.job_account(cluster.inventory_hosts(inventory)) == "shardstack"
+    assert Cluster.load(inventory).job_account == "shardstack"
     data = yaml.safe_load(inventory.read_text())
     data["all"]["vars"]["shardstack_user"] = "svc"
     inventory.write_text(yaml.safe_dump(data))
-    assert cluster.job_account(cluster.inventory_hosts(inventory)) == "svc"
+    assert Cluster.load(inventory).job_account == "svc"
     data["all"]["vars"]["training_runtime_user"] = "trainer"
     inventory.write_text(yaml.safe_dump(data))
-    assert cluster.job_account(cluster.inventory_hosts(inventory)) == "trainer"
+    assert Cluster.load(inventory).job_account == "trainer"
+

@@ -17,8 +17,9 @@ from shardstack.cli.inventory import LAB_INVENTORY
 from shardstack.cli.output import EXIT_FAILED_HOSTS, EXIT_OK, LiveProgress, Progress, console, summary_table
 from shardstack.errors import ShardstackError
 from shardstack.lab import lab
-from shardstack.ops import cluster, endpoint, serve, storage, train
+from shardstack.ops import endpoint, serve, storage, train
 from shardstack.ops.demo import demo_job
+from shardstack.ops.inventory import Cluster
 from shardstack.ops.jobs.common import JobStatus
 from shardstack.ops.runner import project_dir
 from shardstack.ops.validate import run_validate
@@ -40,6 +41,7 @@ def register(sub: argparse._SubParsersAction) -> None:
 def _demo(args: argparse.Namespace) -> int:
     phases: list[tuple[str, float]] = []
     inventory = LAB_INVENTORY  # the lab this command brings up writes it here
+    cluster = Cluster.load(inventory)  # read on first use, once the lab wrote it
 
     def phase(name: str, started: float) -> None:
         phases.append((name, time.monotonic() - started))
@@ -71,13 +73,13 @@ def _demo(args: argparse.Namespace) -> int:
         if not cached:
             console.print(f"building the pretrained model once into {pretrained.model_dir()} (a few minutes)")
         model = pretrained.build(echo=lambda m: console.print(m, highlight=False))
-        init_from = storage.place_model(inventory, model)
+        init_from = storage.place_model(cluster, model)
         phase(f"pretrained {model.name} ({'cached' if cached else 'built'}) → {init_from}", t)
 
         t = time.monotonic()
-        job = demo_job(args.steps, cluster.shared_dir(cluster.inventory_hosts(inventory)), init_from=init_from)
+        job = demo_job(args.steps, cluster.shared_dir, init_from=init_from)
         # A rerun with another --steps continues the demo's own job (its own checkpoint.dir): a config change it means.
-        sub = train.submit(job, "demo", inventory, nodes=2, allow_config_change=True, prepare_demo_data=True,
+        sub = train.submit(job, "demo", cluster, nodes=2, allow_config_change=True, prepare_demo_data=True,
                            on_event=LiveProgress())
         if not sub.success:
             console.print(summary_table(sub, "train submit demo"))
@@ -89,18 +91,18 @@ def _demo(args: argparse.Namespace) -> int:
                                                        f" {last['tokens_per_second']:.0f} tok/s" if last else ""),
                           highlight=False)
 
-        st = train.wait_job("demo", inventory, timeout=max(600, args.steps * 5), on_status=show)
+        st = train.wait_job("demo", cluster, timeout=max(600, args.steps * 5), on_status=show)
         if st.state != "finished":
             raise ShardstackError(f"the demo job ended {st.state}", hint="shardstack train logs demo",
                                   exit_code=EXIT_FAILED_HOSTS)
         phase(f"train: fine-tune {model.name}, 2 nodes, ZeRO-3, {args.steps} steps", t)
 
         t = time.monotonic()
-        exp = storage.export_current(inventory, job["checkpoint"]["dir"], "demo")
+        exp = storage.export_current(cluster, job["checkpoint"]["dir"], "demo")
         phase(f"export → {exp.current}", t)
 
         t = time.monotonic()
-        ro = serve.rollout(inventory, extravars=pinned, on_event=LiveProgress())
+        ro = serve.rollout(cluster, extravars=pinned, on_event=LiveProgress())
         if not ro.success:
             console.print(summary_table(ro, "serve rollout"))
             raise ShardstackError("serve rollout failed", exit_code=EXIT_FAILED_HOSTS)
@@ -108,14 +110,14 @@ def _demo(args: argparse.Namespace) -> int:
 
         t = time.monotonic()
         # Greedy: the fine-tuned model continues a corpus-style sentence with words of the corpus.
-        completion = endpoint.complete(endpoint.endpoint(inventory), PROMPT, max_tokens=48, temperature=0.0)
+        completion = endpoint.complete(endpoint.endpoint(cluster), PROMPT, max_tokens=48, temperature=0.0)
         if completion.status != 200:
             raise ShardstackError(f"completion through the load balancer answered {completion.status}: "
                                   f"{completion.body}", exit_code=EXIT_FAILED_HOSTS)
         phase("a completion through the load balancer (HTTPS, cluster CA)", t)
 
         t = time.monotonic()
-        val, findings = run_validate(inventory)
+        val, findings = run_validate(cluster)
         for table in validate_tables(val.data):
             console.print(table)
         if findings or not val.success:
