@@ -3,6 +3,7 @@ options checked before anything runs, and the batch script the role writes (mole
 
 from __future__ import annotations
 
+import json
 import re
 import subprocess
 from pathlib import Path
@@ -171,3 +172,55 @@ def test_slurm_jobs_are_the_training_users(tmp_path: Path) -> None:
     inventory.write_text(yaml.safe_dump(data))
     assert Cluster.load(inventory).job_account == "trainer"
 
+
+@pytest.fixture
+def reads(monkeypatch: pytest.MonkeyPatch) -> list[Path]:
+    """Every `ansible-inventory --list` of the test (the real one runs; each call is recorded)."""
+    from shardstack.ops import inventory
+
+    done: list[Path] = []
+    real = inventory.read_inventory
+
+    def counted(path: Path) -> tuple:
+        done.append(path)
+        return real(path)
+
+    monkeypatch.setattr(inventory, "read_inventory", counted)
+    return done
+
+
+@pytest.fixture
+def slurm_answers(monkeypatch: pytest.MonkeyPatch) -> list[str]:
+    """The Slurm controller's answers in turn (squeue while the job is queued or runs, then sacct), the journal's
+    step lines on the train node: what a job does over a few polls, no node reached."""
+    from shardstack.ops.jobs import slurm
+    from shardstack.ops.runner import CommandResult
+
+    answers = ["43|PENDING|Resources|0:00|1||shardstack|normal|N/A",
+               "43|RUNNING|None|0:05|1|t1|shardstack|normal|2026-12-01T10:00:00", "",
+               "43|COMPLETED|None|0:09|1|t1|shardstack|normal|2026-12-01T10:00:00"]
+
+    def run_command(argv: list[str], inventory: Path, pattern: str, **_: object) -> dict[str, CommandResult]:
+        out = answers.pop(0) if argv[0] in ("squeue", "sacct") else '{"step": 9, "loss": 2.5}'
+        return {"t1": CommandResult("t1", 0, out)}
+
+    monkeypatch.setattr(slurm, "run_command", run_command)
+    return answers
+
+
+def test_waiting_on_a_job_reads_the_inventory_once(tmp_path: Path, reads: list[Path],
+                                                   slurm_answers: list[str]) -> None:
+    """Each poll asks the scheduler and the job account (two settings) and the loop polls three times: one read."""
+    seen: list[str] = []
+    st = train.wait_job("j", Cluster.load(_inventory(tmp_path, "slurm")), timeout=60, poll=0,
+                        on_status=lambda s: seen.append(s.state))
+    assert seen == ["pending", "running", "finished"] and st.last_step == {"step": 9, "loss": 2.5}
+    assert slurm_answers == [] and len(reads) == 1
+
+
+def test_a_command_reads_the_inventory_once(tmp_path: Path, reads: list[Path], slurm_answers: list[str],
+                                            capsys: pytest.CaptureFixture[str]) -> None:
+    from shardstack.cli import main as cli_main
+
+    assert cli_main(["train", "status", "j", "-i", str(_inventory(tmp_path, "slurm")), "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["state"] == "pending" and len(reads) == 1
