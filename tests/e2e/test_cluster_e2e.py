@@ -48,8 +48,9 @@ from shardstack.build.wheelhouse import build as build_wheelhouse
 from shardstack.cli.output import Progress
 from shardstack.lab import lab
 from shardstack.model.tokenizer import train_bpe
-from shardstack.ops import cluster, endpoint, serve, storage, train
+from shardstack.ops import endpoint, serve, storage, train
 from shardstack.ops.demo import demo_job
+from shardstack.ops.inventory import Cluster
 from shardstack.ops.jobs.common import unit
 from shardstack.ops.runner import RunResult, project_dir, run_command, run_playbook
 from shardstack.serve.demo import write_random_model
@@ -70,19 +71,16 @@ STEPS = 300
 MODEL = "e2e-llama"  # what `model put` places under <shared>/pretrained
 
 
-class Cluster:
+class LabCluster:
     def __init__(self, inventory: Path, extravars: dict, deployed: bool) -> None:
         self.inventory = inventory
+        self.inv = Cluster.load(inventory)  # read once, on first use: the lab's inventory does not change
         self.extravars = extravars
         self.deployed = deployed  # site.yml already ran on it (molecule default's converge)
         self._hostnames: dict[str, str] | None = None
 
     def site(self) -> RunResult:
         return run_playbook("site.yml", self.inventory, extravars=self.extravars)
-
-    @property
-    def inv(self) -> dict:
-        return cluster.inventory_hosts(self.inventory)
 
     def inventory_name(self, hostname: str) -> str:
         """The inventory name of the node whose hostname a backend's /info reports (they differ under molecule)."""
@@ -103,27 +101,27 @@ def lab3(tmp_path_factory: pytest.TempPathFactory):
                  "prometheus_scrape_interval": "5s", "prometheus_scrape_timeout": "4s"}
     given = os.environ.get("SHARDSTACK_E2E_INVENTORY")
     if given:
-        yield Cluster(Path(given), extravars, deployed=True)
+        yield LabCluster(Path(given), extravars, deployed=True)
         return
     inventory = tmp_path_factory.mktemp("e2e") / "hosts.yml"
     if LAB in lab.st.list_labs():
         lab.down(LAB, Progress())
     lab.up(LAB, 3, inventory, Progress())
     try:
-        yield Cluster(inventory, extravars, deployed=False)
+        yield LabCluster(inventory, extravars, deployed=False)
     finally:
         lab.down(LAB, Progress())
         assert lab.leftovers(LAB) == []
 
 
-def test_site_then_a_redeploy_from_a_wheel_changes_nothing(lab3: Cluster, tmp_path: Path) -> None:
+def test_site_then_a_redeploy_from_a_wheel_changes_nothing(lab3: LabCluster, tmp_path: Path) -> None:
     """site.yml from bare nodes (unless molecule's converge did it), then `shardstack deploy` from a wheel: a real
     re-run that changes nothing on the converged cluster. This is molecule default's idempotence check (that scenario
     has no idempotence step of its own): the site is deployed twice, not three times."""
     first = None if lab3.deployed else lab3.site()
     if first is not None:
         assert first.success, {h: (r.failed_task, r.message) for h, r in first.hosts.items() if not r.success}
-        assert set(first.hosts) == set(lab3.inv["groups"]["all"])
+        assert set(first.hosts) == set(lab3.inv.groups["all"])
     again = _deploy_from_a_wheel(lab3, tmp_path)
     done = (f"first run {first.seconds:.0f}s ({first.changed} changed)" if first is not None
             else "deployed by molecule's converge")
@@ -132,10 +130,10 @@ def test_site_then_a_redeploy_from_a_wheel_changes_nothing(lab3: Cluster, tmp_pa
     assert again["success"], {h: (r["failed_task"], r["message"]) for h, r in again["hosts"].items()
                                 if r["failed"] or r["unreachable"]}
     assert again["changed"] == 0, {h: r["changed"] for h, r in again["hosts"].items() if r["changed"]}
-    assert set(again["hosts"]) == set(lab3.inv["groups"]["all"])
+    assert set(again["hosts"]) == set(lab3.inv.groups["all"])
 
 
-def _deploy_from_a_wheel(lab3: Cluster, tmp: Path) -> dict:
+def _deploy_from_a_wheel(lab3: LabCluster, tmp: Path) -> dict:
     """`pip install shardstack[ops]` from a freshly built wheel into a new venv, then `shardstack deploy` from a
     directory outside the checkout: the wheel's own copy of site.yml and the roles does the run."""
     subprocess.run([sys.executable, "-m", "pip", "wheel", "-q", "--no-deps", "-w", str(tmp / "dist"),
@@ -154,8 +152,8 @@ def _deploy_from_a_wheel(lab3: Cluster, tmp: Path) -> dict:
     return result
 
 
-def _prometheus_max(inv: dict, metric: str) -> float | None:
-    host = cluster.address(inv, inv["groups"]["monitoring_server"][0])
+def _prometheus_max(inv: Cluster, metric: str) -> float | None:
+    host = inv.address(inv.groups["monitoring_server"][0])
     query = urllib.parse.urlencode({"query": f"max(max_over_time({metric}[15m]))"})
     with urllib.request.urlopen(f"http://{host}:9090/api/v1/query?{query}", timeout=10) as resp:
         result = json.load(resp)["data"]["result"]
@@ -163,16 +161,16 @@ def _prometheus_max(inv: dict, metric: str) -> float | None:
 
 
 @pytest.fixture(scope="module")
-def walk(lab3: Cluster, tmp_path_factory: pytest.TempPathFactory) -> Walk:
+def walk(lab3: LabCluster, tmp_path_factory: pytest.TempPathFactory) -> Walk:
     """docs/quickstart-cluster.md's commands on this lab (tests/e2e/quickstart.py): its names, our lab's."""
     inv, tmp = lab3.inv, tmp_path_factory.mktemp("quickstart")
-    credentials = endpoint.endpoint(lab3.inventory).cafile.parent
-    lb = cluster.address(inv, inv["groups"]["loadbalancer"][0])
+    credentials = endpoint.endpoint(lab3.inv).cafile.parent
+    lb = inv.address(inv.groups["loadbalancer"][0])
     return Walk(lab3.inventory, {
         "inventory/prod/credentials": str(credentials), "inventory/prod": str(lab3.inventory), "192.0.2.31": lb,
         "~/models/Llama-3.2-1B": str(tmp / MODEL), "llama-1b": MODEL, "~/corpus": str(CORPUS),
-        "corpus-llama": f"corpus-{MODEL}", "/srv/shardstack": str(cluster.shared_dir(inv)), "run1": JOB,
-        "job.yaml": str(tmp / "job.yaml"), "gpu03": sorted(inv["groups"]["inference_nodes"])[-1]})
+        "corpus-llama": f"corpus-{MODEL}", "/srv/shardstack": inv.shared_dir, "run1": JOB,
+        "job.yaml": str(tmp / "job.yaml"), "gpu03": sorted(inv.groups["inference_nodes"])[-1]})
 
 
 def test_the_quickstart_check_passes_and_names_what_production_must_set(walk: Walk) -> None:
@@ -183,7 +181,7 @@ def test_the_quickstart_check_passes_and_names_what_production_must_set(walk: Wa
     assert all(line.startswith("warning: production: ") for line in warnings), warnings
 
 
-def test_a_model_put_from_here_and_its_corpus_prepared_on_the_cluster(lab3: Cluster, walk: Walk) -> None:
+def test_a_model_put_from_here_and_its_corpus_prepared_on_the_cluster(lab3: LabCluster, walk: Walk) -> None:
     """The first day's verbs, as the quickstart's section 7 runs them: a Hugging Face Llama made here (random
     weights, a BPE tokenizer trained on the shipped corpus) goes to shared storage with `model put`, the corpus is
     tokenised with it there by `data prepare --cluster`; both copies belong to the job account (root is squashed on
@@ -196,26 +194,26 @@ def test_a_model_put_from_here_and_its_corpus_prepared_on_the_cluster(lab3: Clus
     put = expect(r"^(\d+) file\(s\), [\d.]+ MiB, sha256 checked on the cluster; use it as model.init_from: (\S+)$",
                  walk.run(put_cmd))
     assert int(put[1]) == len([f for f in model.rglob("*") if f.is_file()]) and put[2] == _placed(lab3), put[0]
-    head = lab3.inv["groups"]["train_nodes"][0]
-    shared = cluster.shared_dir(lab3.inv)
+    head = lab3.inv.groups["train_nodes"][0]
+    shared = lab3.inv.shared_dir
     prep = expect(r"^(\d+) tokens in \d+ shard\(s\) of uint(?:16|32) → (\S+) on (\S+) \(tokenizer: .+\); "
                   r"use it as data.path: (\S+)$", walk.run(prepare_cmd))
     assert int(prep[1]) > 100_000 and prep[2] == prep[4] == f"{shared}/data/corpus-{MODEL}" and prep[3] == head, prep[0]
     owners = run_command(["sh", "-c", 'find "$@" -exec stat -c %U {} + | sort -u', "sh", put[2],
                           f"{shared}/data/corpus-{MODEL}", f"{shared}/data/corpus-{MODEL}-text"], lab3.inventory,
                          head)[head]
-    assert owners.success and owners.stdout.split() == [cluster.job_account(lab3.inv)], owners
+    assert owners.success and owners.stdout.split() == [lab3.inv.job_account], owners
     print(f"\nmodel put: {put[0]}\ndata prepare --cluster: {prep[0]}\nowned by {owners.stdout.strip()}")
 
 
-def _placed(lab3: Cluster) -> str:
-    return f"{cluster.shared_dir(lab3.inv)}/pretrained/{MODEL}"
+def _placed(lab3: LabCluster) -> str:
+    return f"{lab3.inv.shared_dir}/pretrained/{MODEL}"
 
 
-def test_two_node_job_survives_a_killed_worker(lab3: Cluster, walk: Walk) -> None:
+def test_two_node_job_survives_a_killed_worker(lab3: LabCluster, walk: Walk) -> None:
     # Fine-tunes the model `model put` placed, on the corpus `data prepare --cluster` tokenised with it.
     # The quickstart's section 8 with a lab-sized job.yaml in place of its GPU one.
-    job = demo_job(STEPS, cluster.shared_dir(lab3.inv), JOB, init_from=_placed(lab3))
+    job = demo_job(STEPS, lab3.inv.shared_dir, JOB, init_from=_placed(lab3))
     job["checkpoint"]["interval"] = 20
     job["metrics"]["log_every"] = 5
     Path(walk.subs["job.yaml"]).write_text(yaml.safe_dump(job))
@@ -225,7 +223,7 @@ def test_two_node_job_survives_a_killed_worker(lab3: Cluster, walk: Walk) -> Non
     expect(rf"^follow it: shardstack train status {JOB}; shardstack train logs {JOB}$", out)
     # On a worker node: wait for the step-40 checkpoint on shared storage, then SIGKILL that node's worker (the
     # torchrun agent's child, not the agent). One ad-hoc command, so the kill lands mid-run whatever the host load.
-    victim = lab3.inv["groups"]["train_nodes"][1]
+    victim = lab3.inv.groups["train_nodes"][1]
     ckpt = f"{job['checkpoint']['dir']}/step_00000040/manifest.json"
     script = (f"for i in $(seq 1200); do [ -e {ckpt} ] && break; sleep 0.5; done; [ -e {ckpt} ] || exit 3; "
               f"agent=$(systemctl show -p MainPID --value {unit(JOB)}); [ \"$agent\" -gt 0 ] || exit 4; "
@@ -234,12 +232,12 @@ def test_two_node_job_survives_a_killed_worker(lab3: Cluster, walk: Walk) -> Non
     killed = run_command(["sh", "-c", script], lab3.inventory, victim, timeout=900)[victim]
     assert killed.success and "killed worker" in killed.stdout, killed
 
-    final = train.wait_job(JOB, lab3.inventory, timeout=600)
+    final = train.wait_job(JOB, lab3.inv, timeout=600)
     assert final.state == "finished", final.to_dict()
     assert final.last_step and final.last_step["step"] == STEPS
     # systemd restarted the agents (fresh rendezvous) and the trainer resumed from a checkpoint, not from scratch.
     # (NRestarts is gone once the finished template instance is unloaded: the journal is the record.)
-    text = "\n".join(train.logs(JOB, lab3.inventory, lines=3000).values())
+    text = "\n".join(train.logs(JOB, lab3.inv, lines=3000).values())
     assert "Scheduled restart job" in text, "systemd did not restart the job's agents"
     # Rank 0 runs on whichever node the rendezvous picked, in one world of both nodes' ranks.
     assert "world size 2, rank 0" in text, "rank 0 did not see a world of 2"
@@ -249,7 +247,7 @@ def test_two_node_job_survives_a_killed_worker(lab3: Cluster, walk: Walk) -> Non
 
     expect(rf"job {JOB}: finished, step {STEPS} loss [\d.]+", walk.run(status))
     lines = walk.run(logs).splitlines()
-    hosts = set(lab3.inv["groups"]["train_nodes"])
+    hosts = set(lab3.inv.groups["train_nodes"])
     assert {line.split(" | ")[0] for line in lines if " | " in line} == hosts, lines
     assert len([line for line in lines if " | " in line]) <= 20 * len(hosts)
 
@@ -259,12 +257,12 @@ def test_two_node_job_survives_a_killed_worker(lab3: Cluster, walk: Walk) -> Non
     assert seen is not None and seen >= 45, f"Prometheus saw shardstack_train_step max {seen}"
 
 
-def test_export_and_serve_through_the_load_balancer(lab3: Cluster, walk: Walk) -> None:
+def test_export_and_serve_through_the_load_balancer(lab3: LabCluster, walk: Walk) -> None:
     # The quickstart's section 9: `serve publish JOB` exports the job's newest valid checkpoint (its last, step
     # STEPS) on a train node, signed, switches exports/current and rolls the inference nodes over to it.
     (publish,) = commands(9)
     out = walk.run(publish)
-    shared = cluster.shared_dir(lab3.inv)
+    shared = lab3.inv.shared_dir
     expect(rf"^exported {JOB} step {STEPS} \(signed\) on \S+ → {shared}/exports/{JOB}-step_{STEPS:08d}; "
            rf"{shared}/exports/current → it$", out)
     expect(r"serve rollout: successful in ", out)
@@ -275,7 +273,7 @@ def test_export_and_serve_through_the_load_balancer(lab3: Cluster, walk: Walk) -
     assert answer["choices"][0]["finish_reason"] in ("length", "stop"), answer
     (client,) = blocks(section(10), "python")
     assert walk.python(client).endswith("\n")  # it printed the completion's text (sampled: it may be blank)
-    ep = endpoint.endpoint(lab3.inventory)
+    ep = endpoint.endpoint(lab3.inv)
     assert ep.token and ep.url.startswith("https://") and ep.cafile and ep.cafile.is_file()
     unauth = endpoint.complete(dataclasses.replace(ep, token=None), "The ", max_tokens=4)
     assert unauth.status == 401
@@ -289,7 +287,7 @@ def test_export_and_serve_through_the_load_balancer(lab3: Cluster, walk: Walk) -
     assert p50 < 0.5
 
 
-def test_validate_finds_nothing_on_the_lab(lab3: Cluster, walk: Walk) -> None:
+def test_validate_finds_nothing_on_the_lab(lab3: LabCluster, walk: Walk) -> None:
     """The quickstart's `shardstack validate` once a model is served: exit 0, no finding; every node a CPU node,
     gloo across the two train nodes, a completion through the load balancer."""
     (validate,) = commands(6)
@@ -297,7 +295,7 @@ def test_validate_finds_nothing_on_the_lab(lab3: Cluster, walk: Walk) -> None:
     out = walk.run(validate)
     assert "FAILED" not in out, out[-4000:]
     expect(r"validate: successful in ", out)
-    nodes = set(lab3.inv["groups"]["train_nodes"]) | set(lab3.inv["groups"]["inference_nodes"])
+    nodes = set(lab3.inv.groups["train_nodes"]) | set(lab3.inv.groups["inference_nodes"])
     assert out.count("no NVIDIA hardware (CPU node)") == len(nodes), out[-4000:]
     allreduce = expect(r"validate: all-reduce across the train nodes[\s\S]*?│ (\w+)\s+│ (\d+)\s+│ (\d+)\s+│.*"
                        r"│ ([\d.]+) Gbit/s\s*│ (\w+)", out)
@@ -341,9 +339,9 @@ class Load:
             t.join(timeout=90)
 
 
-def test_stopping_a_backend_under_load_fails_no_request(lab3: Cluster) -> None:
-    ep = endpoint.endpoint(lab3.inventory)
-    victim = lab3.inv["groups"]["inference_nodes"][-1]
+def test_stopping_a_backend_under_load_fails_no_request(lab3: LabCluster) -> None:
+    ep = endpoint.endpoint(lab3.inv)
+    victim = lab3.inv.groups["inference_nodes"][-1]
     with Load(ep) as load:
         stopped = run_command(["systemctl", "stop", "shardstack-inference.service"], lab3.inventory, victim)
         assert stopped[victim].success
@@ -356,7 +354,7 @@ def test_stopping_a_backend_under_load_fails_no_request(lab3: Cluster) -> None:
     assert set(load.codes) == {200}, dict(load.codes)
 
 
-def _infos(lab3: Cluster, ep: endpoint.Endpoint, n: int = 12) -> list[dict]:
+def _infos(lab3: LabCluster, ep: endpoint.Endpoint, n: int = 12) -> list[dict]:
     """/info through the load balancer n times (leastconn alternates between idle backends), each answer's "host"
     replaced by that node's inventory name."""
     out = []
@@ -368,18 +366,18 @@ def _infos(lab3: Cluster, ep: endpoint.Endpoint, n: int = 12) -> list[dict]:
     return out
 
 
-def test_rollout_to_another_step_under_load_fails_no_request(lab3: Cluster) -> None:
-    ep = endpoint.endpoint(lab3.inventory)
-    backends = set(lab3.inv["groups"]["inference_nodes"])
+def test_rollout_to_another_step_under_load_fails_no_request(lab3: LabCluster) -> None:
+    ep = endpoint.endpoint(lab3.inv)
+    backends = set(lab3.inv.groups["inference_nodes"])
     before = _infos(lab3, ep)
     assert {i["host"] for i in before} == backends and {i["step"] for i in before} == {STEPS}
     # A different model for the upgrade: the job's previous checkpoint (keep: 2 leaves the last two).
     previous = STEPS - 20
-    step_dir = f"{cluster.shared_dir(lab3.inv)}/checkpoints/{JOB}/step_{previous:08d}"
-    exp = storage.export_current(lab3.inventory, step_dir, f"{JOB}-{previous}")
+    step_dir = f"{lab3.inv.shared_dir}/checkpoints/{JOB}/step_{previous:08d}"
+    exp = storage.export_current(lab3.inv, step_dir, f"{JOB}-{previous}")
     assert f"exported step {previous}" in exp.output, exp.output
     with Load(ep) as load:
-        ro = serve.rollout(lab3.inventory, extravars=lab3.extravars)
+        ro = serve.rollout(lab3.inv, extravars=lab3.extravars)
     after = _infos(lab3, ep)
     print(f"\nserve rollout to step {previous} under load in {ro.seconds:.0f}s: {dict(load.codes)}; "
           f"/info after: {sorted((i['host'], i['step']) for i in after)}")
@@ -390,21 +388,21 @@ def test_rollout_to_another_step_under_load_fails_no_request(lab3: Cluster) -> N
     assert {i["step"] for i in after} == {previous}, after
 
 
-def test_a_tampered_export_is_refused_while_the_other_replicas_serve(lab3: Cluster) -> None:
+def test_a_tampered_export_is_refused_while_the_other_replicas_serve(lab3: LabCluster) -> None:
     """One byte of the served export changed on the shared storage (as the job account): a restarting replica
     refuses it with one journal line naming the file, the others keep serving, and it serves again once the
     export link is back (docs/serving.md, "Signed exports")."""
-    ep = endpoint.endpoint(lab3.inventory)
-    head = lab3.inv["groups"]["train_nodes"][0]
-    victim = lab3.inv["groups"]["inference_nodes"][-1]
-    exports = f"{cluster.shared_dir(lab3.inv)}/exports"
+    ep = endpoint.endpoint(lab3.inv)
+    head = lab3.inv.groups["train_nodes"][0]
+    victim = lab3.inv.groups["inference_nodes"][-1]
+    exports = f"{lab3.inv.shared_dir}/exports"
     good = run_command(["readlink", f"{exports}/current"], lab3.inventory, head)[head].stdout.strip()
     weights = f"{exports}/tampered/model.safetensors"
     tamper = (f"cp -a {exports}/{good} {exports}/tampered && printf '\\377' | dd of={weights} bs=1 conv=notrunc "
               f"seek=$(( $(stat -c %s {weights}) - 1 )) status=none && ln -sfn tampered {exports}/.t && "
               f"mv -T {exports}/.t {exports}/current")
     restore = f"ln -sfn {good} {exports}/.t && mv -T {exports}/.t {exports}/current && rm -rf {exports}/tampered"
-    user = ["runuser", "-u", cluster.setting(lab3.inv, "shardstack_user", "shardstack_common", "train_nodes"), "--",
+    user = ["runuser", "-u", lab3.inv.setting("shardstack_user", "shardstack_common", "train_nodes"), "--",
             "sh", "-c"]
     assert run_command([*user, tamper], lab3.inventory, head)[head].success
     try:
@@ -426,16 +424,16 @@ def test_a_tampered_export_is_refused_while_the_other_replicas_serve(lab3: Clust
     assert _infos(lab3, ep, 1)[0]["signed_by"]  # the replicas serve the verified export again
 
 
-def _backend_show(lab3: Cluster, host: str, props: str) -> dict[str, str]:
+def _backend_show(lab3: LabCluster, host: str, props: str) -> dict[str, str]:
     res = run_command(["systemctl", "show", "shardstack-inference.service", "-p", props], lab3.inventory, host)[host]
     assert res.success, res
     return dict(line.split("=", 1) for line in res.stdout.splitlines() if "=" in line)
 
 
-def test_a_hung_engine_is_killed_by_the_watchdog_and_serves_again(lab3: Cluster) -> None:
+def test_a_hung_engine_is_killed_by_the_watchdog_and_serves_again(lab3: LabCluster) -> None:
     """systemd itself, not a fake notify socket: a failpoint blocks the engine loop on the next client request; the
     service stops feeding WATCHDOG=1, systemd kills it (result 'watchdog'), restarts it, and it serves again."""
-    victim = lab3.inv["groups"]["inference_nodes"][-1]
+    victim = lab3.inv.groups["inference_nodes"][-1]
     port = 8000  # inference_service_port's default
     dropin = "/run/systemd/system/shardstack-inference.service.d/50-e2e-failpoint.conf"
     arm = (f"mkdir -p $(dirname {dropin}) && printf '[Service]\\nEnvironment=SHARDSTACK_SERVE_FAILPOINT=engine_hang"
@@ -445,7 +443,7 @@ def test_a_hung_engine_is_killed_by_the_watchdog_and_serves_again(lab3: Cluster)
     restarts = int(_backend_show(lab3, victim, "NRestarts")["NRestarts"])
     # One completion straight to the victim's service, from the victim itself with the token file the service
     # reads (the token never appears on a command line). The request hangs until systemd kills the process.
-    addr = cluster.address(lab3.inv, victim)
+    addr = lab3.inv.address(victim)
     probe = ("import json, ssl, sys, urllib.request\n"
              f"body = json.dumps({{'prompt': 'x', 'max_tokens': 2}}).encode()\n"
              f"r = urllib.request.Request('https://{addr}:{port}/v1/completions', data=body, "
@@ -475,9 +473,9 @@ def test_a_hung_engine_is_killed_by_the_watchdog_and_serves_again(lab3: Cluster)
     assert run_command(["sh", "-c", disarm], lab3.inventory, victim)[victim].success
     state = _backend_show(lab3, victim, "ActiveState,SubState")
     assert state == {"ActiveState": "active", "SubState": "running"}, state
-    ep = endpoint.endpoint(lab3.inventory)
+    ep = endpoint.endpoint(lab3.inv)
     deadline = time.monotonic() + 60
-    while {i["host"] for i in _infos(lab3, ep, 6)} != set(lab3.inv["groups"]["inference_nodes"]):
+    while {i["host"] for i in _infos(lab3, ep, 6)} != set(lab3.inv.groups["inference_nodes"]):
         assert time.monotonic() < deadline, "the restarted backend did not come back behind the load balancer"
         time.sleep(2)
     answers = [endpoint.complete(ep, "The ", max_tokens=8) for _ in range(6)]
@@ -489,7 +487,7 @@ def test_a_hung_engine_is_killed_by_the_watchdog_and_serves_again(lab3: Cluster)
 # Trust at the edge (issue 24): named keys with their own in-flight limit, revoked by one run of the load balancer's
 # stage under another key's load; a loop of 1 MiB prompts beside another client; a request that kills its backend.
 # Extra vars stand in for the inventory's keys, and the last run of the stage restores the inventory's own.
-def _edge(lab3: Cluster, keys: list[dict] | None) -> float:
+def _edge(lab3: LabCluster, keys: list[dict] | None) -> float:
     """`--tags loadbalancer` with these named keys (None: the inventory's own); the run's seconds."""
     extravars = dict(lab3.extravars) if keys is None else {**lab3.extravars, "loadbalancer_api_keys": keys}
     res = run_playbook("site.yml", lab3.inventory, tags="loadbalancer", extravars=extravars)
@@ -497,8 +495,8 @@ def _edge(lab3: Cluster, keys: list[dict] | None) -> float:
     return res.seconds
 
 
-def test_named_keys_limit_their_requests_in_flight_and_one_tag_run_revokes_a_key(lab3: Cluster) -> None:
-    ep = endpoint.endpoint(lab3.inventory)
+def test_named_keys_limit_their_requests_in_flight_and_one_tag_run_revokes_a_key(lab3: LabCluster) -> None:
+    ep = endpoint.endpoint(lab3.inv)
     # Keys generated by the role into the controller's store (never passed as extra vars, so no runner artifact
     # holds them; the secrets scan at the end reads that store and looks for them everywhere).
     keys = [{"name": "e2ealpha"}, {"name": "e2ebeta", "concurrency": 1}]
@@ -567,20 +565,20 @@ print(json.dumps(codes))
 """
 
 
-def _check_downs(inv: dict) -> dict[str, float]:
+def _check_downs(inv: Cluster) -> dict[str, float]:
     """HAProxy's UP -> DOWN transitions per inference server (its metrics port, open to the admins)."""
-    lb = inv["groups"]["loadbalancer"][0]
-    port = cluster.setting(inv, "loadbalancer_metrics_port", "loadbalancer", "loadbalancer")
-    with urllib.request.urlopen(f"http://{cluster.address(inv, lb)}:{port}/metrics", timeout=10) as resp:
+    lb = inv.groups["loadbalancer"][0]
+    port = inv.setting("loadbalancer_metrics_port", "loadbalancer", "loadbalancer")
+    with urllib.request.urlopen(f"http://{inv.address(lb)}:{port}/metrics", timeout=10) as resp:
         text = resp.read().decode()
     found = re.findall(r'^haproxy_server_check_up_down_total\{proxy="inference",server="([^"]+)"\} (\S+)$', text, re.M)
     assert found, "no haproxy_server_check_up_down_total for the inference backends"
     return {server: float(value) for server, value in found}
 
 
-def test_a_loop_of_1mib_prompts_leaves_another_client_served(lab3: Cluster) -> None:
+def test_a_loop_of_1mib_prompts_leaves_another_client_served(lab3: LabCluster) -> None:
     inv = lab3.inv
-    ep = endpoint.endpoint(lab3.inventory)
+    ep = endpoint.endpoint(lab3.inv)
     downs = _check_downs(inv)
     slot, seconds = 3.0, 24.0
     t0 = time.time() + 1
@@ -621,38 +619,38 @@ def test_a_loop_of_1mib_prompts_leaves_another_client_served(lab3: Cluster) -> N
     assert after == downs  # no backend went DOWN
 
 
-def _backend_metrics(lab3: Cluster, host: str) -> str:
+def _backend_metrics(lab3: LabCluster, host: str) -> str:
     """A backend's /metrics, over HTTPS verified against the cluster CA (as Prometheus scrapes it)."""
-    port = cluster.setting(lab3.inv, "inference_service_port", "inference_service", "inference_nodes")
-    ctx = ssl.create_default_context(cafile=endpoint.load_cluster_ca(lab3.inventory))
-    url = f"https://{cluster.address(lab3.inv, host)}:{port}/metrics"
+    port = lab3.inv.setting("inference_service_port", "inference_service", "inference_nodes")
+    ctx = ssl.create_default_context(cafile=endpoint.load_cluster_ca(lab3.inv))
+    url = f"https://{lab3.inv.address(host)}:{port}/metrics"
     with urllib.request.urlopen(url, timeout=10, context=ctx) as resp:
         return resp.read().decode()
 
 
-def _backend_requests(lab3: Cluster, host: str) -> float:
+def _backend_requests(lab3: LabCluster, host: str) -> float:
     """Requests a backend answered (shardstack_infer_requests_total, every label), from its /metrics."""
     text = _backend_metrics(lab3, host)
     return sum(float(m[1]) for m in re.finditer(r"^shardstack_infer_requests_total\{[^}]*\} (\S+)$", text, re.M))
 
 
-def _backend_running(lab3: Cluster, host: str) -> float:
+def _backend_running(lab3: LabCluster, host: str) -> float:
     text = _backend_metrics(lab3, host)
     m = re.search(r"^shardstack_infer_requests_running (\S+)$", text, re.M)
     return float(m[1]) if m else 0.0
 
 
-def test_a_request_that_kills_its_backend_is_not_replayed_on_another(lab3: Cluster) -> None:
+def test_a_request_that_kills_its_backend_is_not_replayed_on_another(lab3: LabCluster) -> None:
     """The failpoint hangs the victim's engine on the request; the victim is killed with it in flight (the request
     "killed its backend"): the client gets the load balancer's 502 and the other backend never sees the request,
     which a retry on an empty response would have sent there (and killed it too)."""
     from shardstack.ops import cordon
 
     inv = lab3.inv
-    ep = endpoint.endpoint(lab3.inventory)
-    backends = sorted(inv["groups"]["inference_nodes"])
+    ep = endpoint.endpoint(lab3.inv)
+    backends = sorted(inv.groups["inference_nodes"])
     victim, other = backends[0], backends[-1]  # the watchdog test restarted the last one: spare its start limit
-    socket = str(cluster.setting(inv, "loadbalancer_admin_socket", "loadbalancer", "loadbalancer"))
+    socket = str(inv.setting("loadbalancer_admin_socket", "loadbalancer", "loadbalancer"))
     dropin = "/run/systemd/system/shardstack-inference.service.d/50-e2e-failpoint.conf"
     arm = (f"mkdir -p $(dirname {dropin}) && printf '[Service]\\nEnvironment=SHARDSTACK_SERVE_FAILPOINT=engine_hang"
            "\\n' > " + dropin + " && systemctl daemon-reload && systemctl restart shardstack-inference.service")
@@ -664,7 +662,7 @@ def test_a_request_that_kills_its_backend_is_not_replayed_on_another(lab3: Clust
             assert time.monotonic() < deadline, "the armed backend did not come back behind the load balancer"
             time.sleep(2)
         # Only the victim takes the request; then the other is back in, where a replay would go.
-        cordon.apply(other, "cordon", lab3.inventory, inv["groups"], socket=socket)
+        cordon.apply(other, "cordon", inv, socket=socket)
         before = _backend_requests(lab3, other)
         sender = threading.Thread(target=lambda: result.update(c=endpoint.complete(ep, "x", max_tokens=2, timeout=120)))
         sender.start()
@@ -672,7 +670,7 @@ def test_a_request_that_kills_its_backend_is_not_replayed_on_another(lab3: Clust
         while _backend_running(lab3, victim) < 1:
             assert time.monotonic() < deadline, "the request never reached the armed backend"
             time.sleep(0.5)
-        cordon.apply(other, "uncordon", lab3.inventory, inv["groups"], socket=socket)
+        cordon.apply(other, "uncordon", inv, socket=socket)
         time.sleep(2)
         # Disarmed first, so systemd's restart after the kill comes up serving.
         kill = f"rm -f {dropin} && systemctl daemon-reload && systemctl kill -s KILL shardstack-inference.service"
@@ -681,7 +679,7 @@ def test_a_request_that_kills_its_backend_is_not_replayed_on_another(lab3: Clust
         after = _backend_requests(lab3, other)
     finally:
         run_command(["sh", "-c", f"rm -f {dropin} && systemctl daemon-reload"], lab3.inventory, victim)
-        cordon.apply(other, "uncordon", lab3.inventory, inv["groups"], socket=socket)
+        cordon.apply(other, "uncordon", inv, socket=socket)
     deadline = time.monotonic() + 180
     while {i["host"] for i in _infos(lab3, ep, 6)} != set(backends):
         assert time.monotonic() < deadline, "the killed backend did not come back behind the load balancer"
@@ -695,7 +693,7 @@ def test_a_request_that_kills_its_backend_is_not_replayed_on_another(lab3: Clust
 
 # Cordon and status (issue 16). Self-contained so they can be dropped without touching the rest; before the
 # firewall test and the secrets scan, which stays last (it reads the artifacts cordon's ad-hoc commands leave).
-def _status_json(lab3: Cluster) -> dict:
+def _status_json(lab3: LabCluster) -> dict:
     """`shardstack status --json` as the operator runs it."""
     proc = subprocess.run([sys.executable, "-m", "shardstack", "status", "--json", "-i", str(lab3.inventory)],
                           capture_output=True, text=True, timeout=120, check=False)
@@ -705,21 +703,21 @@ def _status_json(lab3: Cluster) -> dict:
     return doc
 
 
-def test_cordon_an_inference_node_under_load_fails_no_request(lab3: Cluster) -> None:
+def test_cordon_an_inference_node_under_load_fails_no_request(lab3: LabCluster) -> None:
     from shardstack.ops import cordon
 
     inv = lab3.inv
-    ep = endpoint.endpoint(lab3.inventory)
-    backends = set(inv["groups"]["inference_nodes"])
+    ep = endpoint.endpoint(lab3.inv)
+    backends = set(inv.groups["inference_nodes"])
     victim = sorted(backends)[-1]
-    socket = str(cluster.setting(inv, "loadbalancer_admin_socket", "loadbalancer", "loadbalancer"))
+    socket = str(inv.setting("loadbalancer_admin_socket", "loadbalancer", "loadbalancer"))
     with Load(ep) as load:
-        out = cordon.apply(victim, "cordon", lab3.inventory, inv["groups"], socket=socket)
-        assert out.load_balancers == inv["groups"]["loadbalancer"] and out.metric_written, out.notes
+        out = cordon.apply(victim, "cordon", inv, socket=socket)
+        assert out.load_balancers == inv.groups["loadbalancer"] and out.metric_written, out.notes
         time.sleep(3)
         drained = _status_json(lab3)
         answered = {i["host"] for i in _infos(lab3, ep)}
-        cordon.apply(victim, "uncordon", lab3.inventory, inv["groups"], socket=socket)
+        cordon.apply(victim, "uncordon", inv, socket=socket)
         time.sleep(3)
         restored = _status_json(lab3)
     print(f"\ncordon/uncordon {victim} under load: {dict(load.codes)}")
@@ -732,10 +730,10 @@ def test_cordon_an_inference_node_under_load_fails_no_request(lab3: Cluster) -> 
     # Uncordon restores both.
     assert {b["server"]: b["status"] for b in restored["backends"]}[victim] == "UP"
     assert {n["node"]: n["cordoned"] for n in restored["nodes"]}[victim] is None
-    assert cordon.cordoned(lab3.inventory) == []
+    assert cordon.cordoned(lab3.inv) == []
 
 
-def test_status_json_matches_the_lab(lab3: Cluster, walk: Walk) -> None:
+def test_status_json_matches_the_lab(lab3: LabCluster, walk: Walk) -> None:
     # The quickstart's section 11 first, as written (not `--watch`, which never returns). Exit 1 says a node is
     # DOWN or a critical alert fires (a test before may have left one firing; _status_json checks that agreement).
     status, _watch, job_logs, errors = commands(11)
@@ -746,10 +744,10 @@ def test_status_json_matches_the_lab(lab3: Cluster, walk: Walk) -> None:
     st = _status_json(lab3)
     inv = lab3.inv
     hosts = {h for g in ("train_nodes", "inference_nodes", "loadbalancer", "monitoring_server", "storage_server")
-             for h in inv["groups"].get(g, [])}
+             for h in inv.groups.get(g, [])}
     assert {n["node"] for n in st["nodes"]} == hosts
     assert all(n["up"] is True for n in st["nodes"]), st["nodes"]
-    assert {b["server"] for b in st["backends"]} == set(inv["groups"]["inference_nodes"])
+    assert {b["server"] for b in st["backends"]} == set(inv.groups["inference_nodes"])
     assert all(b["status"] == "UP" for b in st["backends"]), st["backends"]
     assert "Watchdog" in {a["name"] for a in st["alerts"]}
     # The systemd collector is on by default, so failed units are a list (whatever a lab container has failed).
@@ -757,55 +755,55 @@ def test_status_json_matches_the_lab(lab3: Cluster, walk: Walk) -> None:
     assert not [u for u in st["failed_units"] if u["unit"].startswith("shardstack-")], st["failed_units"]
 
 
-def test_drain_stops_a_job_at_a_checkpoint_and_the_resubmit_runs_without_the_node(lab3: Cluster) -> None:
+def test_drain_stops_a_job_at_a_checkpoint_and_the_resubmit_runs_without_the_node(lab3: LabCluster) -> None:
     """Draining a train node under a 2-node job stops the job on both nodes at one checkpoint (exit 0, no restart);
     while the node is cordoned a 2-node submit is refused and a 1-node one resumes from that checkpoint without it;
     uncordon restores."""
     from shardstack.ops import cordon
 
     inv = lab3.inv
-    head, victim = inv["groups"]["train_nodes"][:2]
+    head, victim = inv.groups["train_nodes"][:2]
     name = "e2e-drain"
     # Far more steps than it runs (the stop comes from the drain); the first job's model and corpus.
-    job = demo_job(2000, cluster.shared_dir(inv), name, init_from=_placed(lab3))
+    job = demo_job(2000, inv.shared_dir, name, init_from=_placed(lab3))
     job["schedule"]["warmup_steps"] = 1
     job["checkpoint"]["interval"] = 1000
     job["metrics"]["log_every"] = 1
     try:
-        sub = train.submit(job, name, lab3.inventory, nodes=2)
+        sub = train.submit(job, name, lab3.inv, nodes=2)
         assert sub.success, {h: (r.failed_task, r.message) for h, r in sub.hosts.items()}
         deadline = time.monotonic() + 600
-        while not ((st := train.status(name, lab3.inventory)).last_step and st.last_step["step"] >= 5):
+        while not ((st := train.status(name, lab3.inv)).last_step and st.last_step["step"] >= 5):
             assert time.monotonic() < deadline and st.state in ("running", "unknown", "finished"), st.to_dict()
             time.sleep(2)
-        out = cordon.apply(victim, "drain", lab3.inventory, inv["groups"])
+        out = cordon.apply(victim, "drain", inv)
         assert out.stopped_jobs == [name], out.notes
-        final = train.wait_job(name, lab3.inventory, timeout=600)
+        final = train.wait_job(name, lab3.inv, timeout=600)
         # Both agents ended with their workers' exit 0: finished, not failed, and systemd restarted nothing.
         assert final.state == "finished" and all(n.restarts == 0 for n in final.nodes), final.to_dict()
-        text = "\n".join(train.logs(name, lab3.inventory, lines=400).values())
+        text = "\n".join(train.logs(name, lab3.inv, lines=400).values())
         # Rank 0 (on the head) names the signal only when it got it; here the drained node's ranks did.
         stopped = int(re.search(r"stopping after step (\d+) on (?:SIGUSR1|a signal on another rank)", text).group(1))
         assert 5 <= stopped < 2000
         manifest = f"{job['checkpoint']['dir']}/step_{stopped:08d}/manifest.json"
         assert run_command(["test", "-s", manifest], lab3.inventory, head)[head].success, manifest
 
-        refused = train.submit(job, name, lab3.inventory, nodes=2)
+        refused = train.submit(job, name, lab3.inv, nodes=2)
         assert not refused.success and any("cordoned" in (r.message or "") for r in refused.hosts.values()), \
             refused.to_dict()
         job["schedule"]["total_steps"] = stopped + 5  # a changed config: its checkpoint resumes only when allowed
-        again = train.submit(job, name, lab3.inventory, nodes=1, allow_config_change=True)
+        again = train.submit(job, name, lab3.inv, nodes=1, allow_config_change=True)
         assert again.success, {h: (r.failed_task, r.message) for h, r in again.hosts.items()}
-        resumed = train.wait_job(name, lab3.inventory, timeout=600)
+        resumed = train.wait_job(name, lab3.inv, timeout=600)
         assert resumed.state == "finished" and resumed.last_step["step"] == stopped + 5, resumed.to_dict()
-        head_log = train.logs(name, lab3.inventory, lines=400)[head]
+        head_log = train.logs(name, lab3.inv, lines=400)[head]
         line = next(x for x in head_log.splitlines() if f"step_{stopped:08d}" in x and "resumed from" in x)
         assert "saved by 2 ranks" in line and "now 1 ranks" in line, line  # the head alone, without the victim
         print(f"\ndrain {victim} under a 2-node job: stopped at step {stopped} with a checkpoint; 2-node resubmit "
               f"refused; 1-node resubmit on {head}: {line.strip()}")
     finally:
-        cordon.apply(victim, "uncordon", lab3.inventory, inv["groups"])
-    assert cordon.cordoned(lab3.inventory) == []
+        cordon.apply(victim, "uncordon", inv)
+    assert cordon.cordoned(lab3.inv) == []
 
 
 # Prints 'open', 'refused' or 'dropped' (no answer in 3 s) for a TCP connection to argv[1]:argv[2].
@@ -824,21 +822,21 @@ def _connect(inventory: Path, src: str | None, addr: str, port: int) -> str:
     return res.stdout.strip()
 
 
-def test_the_firewall_admits_the_plan_and_drops_the_rest(lab3: Cluster) -> None:
+def test_the_firewall_admits_the_plan_and_drops_the_rest(lab3: LabCluster) -> None:
     """The port plan on the running cluster: node_exporter (9100) answers the Prometheus host and drops every other
     node and the controller; a backend's inference port answers the load balancer and drops a train node."""
     inv = lab3.inv
-    groups = inv["groups"]
+    groups = inv.groups
     mon = groups["monitoring_server"][0]
     target, outsider = [h for h in groups["all"] if h != mon][:2]
-    addr = cluster.address(inv, target)
+    addr = inv.address(target)
     assert _connect(lab3.inventory, mon, addr, 9100) == "open"
     assert _connect(lab3.inventory, outsider, addr, 9100) == "dropped"
     assert _connect(lab3.inventory, None, addr, 9100) == "dropped"
     backend = groups["inference_nodes"][-1]
     train_only = next(h for h in groups["train_nodes"] if h not in groups["loadbalancer"] and h != backend)
     lb = groups["loadbalancer"][0]
-    backend_addr = cluster.address(inv, backend)
+    backend_addr = inv.address(backend)
     assert _connect(lab3.inventory, lb, backend_addr, 8000) == "open"
     assert _connect(lab3.inventory, train_only, backend_addr, 8000) == "dropped"
     print(f"\nfirewall: {target}:9100 open to {mon}, dropped from {outsider} and the controller; "
@@ -872,7 +870,7 @@ def _secrets(credentials: Path) -> dict[str, str]:
     return found
 
 
-def test_no_secret_in_any_runner_artifact_or_molecule_file(lab3: Cluster) -> None:
+def test_no_secret_in_any_runner_artifact_or_molecule_file(lab3: LabCluster) -> None:
     """Last: every ansible-runner artifact of the project (this module's deploys, check run, job, rollouts, ad-hoc
     commands) and every file molecule keeps for this checkout's scenarios, searched for this cluster's secrets and
     for each scenario's own, the credential stores themselves excepted."""

@@ -18,7 +18,8 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from shardstack.ops import cluster, train
+from shardstack.ops import train
+from shardstack.ops.inventory import Cluster
 from shardstack.ops.jobs.common import identifier, unit
 from shardstack.ops.jobs.slurm import CONTROLLER
 from shardstack.ops.runner import run_command, run_playbook
@@ -34,25 +35,29 @@ pytestmark = [
 
 
 @pytest.fixture(scope="module")
-def inv() -> Path:
-    return Path(INVENTORY)
+def cluster() -> Cluster:
+    return Cluster.load(Path(INVENTORY))  # read once for the module: the scenario's inventory does not change
 
 
-def _checkpoints(inv: Path, name: str) -> str:
-    shared = cluster.setting(cluster.inventory_hosts(inv), "training_runtime_shared_dir", "training_runtime",
-                             "train_nodes")
+@pytest.fixture(scope="module")
+def inv(cluster: Cluster) -> Path:
+    return cluster.path
+
+
+def _checkpoints(cluster: Cluster, name: str) -> str:
+    shared = cluster.setting("training_runtime_shared_dir", "training_runtime", "train_nodes")
     return f"{shared}/checkpoints/{name}"
 
 
-def _job(inv: Path, name: str, steps: int, interval: int) -> dict[str, Any]:
-    shared = _checkpoints(inv, name).rsplit("/checkpoints/", 1)[0]
+def _job(cluster: Cluster, name: str, steps: int, interval: int) -> dict[str, Any]:
+    shared = _checkpoints(cluster, name).rsplit("/checkpoints/", 1)[0]
     return config_from_dict({
         "model": {"size": "tiny"},
         "data": {"path": f"{shared}/data/corpus"},
         "engine": {"stage": 3},
         "schedule": {"warmup_steps": 2, "total_steps": steps},
         "batch": {"global_batch": 4, "micro_batch": 2},
-        "checkpoint": {"dir": _checkpoints(inv, name), "interval": interval},
+        "checkpoint": {"dir": _checkpoints(cluster, name), "interval": interval},
         "metrics": {"port": 0, "log_every": 1},
     }).to_dict()
 
@@ -79,10 +84,10 @@ def _journal(inv: Path, job: str, since: float, grep: str) -> str:
     return "\n".join(r.stdout for r in res.values() if r.success)  # rc 1: no line matched there
 
 
-def _fresh(inv: Path, *jobs: str) -> None:
+def _fresh(cluster: Cluster, *jobs: str) -> None:
     """No checkpoint left from an earlier run of this module on the same lab: every job starts at step 0."""
     for job in jobs:
-        assert run_command(["rm", "-rf", _checkpoints(inv, job)], inv, "node1")["node1"].success
+        assert run_command(["rm", "-rf", _checkpoints(cluster, job)], cluster.path, "node1")["node1"].success
 
 
 def _controller(inv: Path, argv: list[str]) -> str:
@@ -104,14 +109,16 @@ def _wait(what: str, check, timeout: float = 300, poll: float = 2.0):
     return value
 
 
-def test_a_2_node_job_through_slurm_has_the_systemd_paths_losses_and_its_usage_in_sacct(inv: Path) -> None:
-    assert train.scheduler(inv) == "slurm"
-    _fresh(inv, "ref", "slurm-2n")
+def test_a_2_node_job_through_slurm_has_the_systemd_paths_losses_and_its_usage_in_sacct(cluster: Cluster,
+                                                                                        inv: Path) -> None:
+    assert cluster.scheduler == "slurm"
+    _fresh(cluster, "ref", "slurm-2n")
     steps = 12
     # The systemd path on the same nodes first (the two would share the head's rendezvous port): the playbook
     # `train submit` runs, told the scheduler is systemd.
     ref = run_playbook("playbooks/train_submit.yml", inv, extravars={
-        "train_job_name": "ref", "train_job_config": _job(inv, "ref", steps, steps), "shardstack_scheduler": "systemd",
+        "train_job_name": "ref", "train_job_config": _job(cluster, "ref", steps, steps),
+        "shardstack_scheduler": "systemd",
         # The first job on this cluster: its data.path gets the shipped demo corpus, asked for.
         "train_job_prepare_demo_data": True})
     assert ref.success, {h: (r.failed_task, r.message) for h, r in ref.hosts.items()}
@@ -127,12 +134,12 @@ def test_a_2_node_job_through_slurm_has_the_systemd_paths_losses_and_its_usage_i
     ref_losses = _losses({h: r.stdout for h, r in run_command(
         ["journalctl", "-u", unit("ref"), "-o", "cat", "--no-pager"], inv, "train_nodes").items()})
 
-    sub = train.submit(_job(inv, "slurm-2n", steps, steps), "slurm-2n", inv, nodes=2, account="product")
+    sub = train.submit(_job(cluster, "slurm-2n", steps, steps), "slurm-2n", cluster, nodes=2, account="product")
     assert sub.success, {h: (r.failed_task, r.message) for h, r in sub.hosts.items()}
-    st = train.wait_job("slurm-2n", inv, timeout=600, poll=3)
+    st = train.wait_job("slurm-2n", cluster, timeout=600, poll=3)
     assert st.state == "finished" and st.slurm is not None, st.to_dict()
     assert (st.slurm.state, st.slurm.nodes, st.slurm.account) == ("COMPLETED", 2, "product"), st.to_dict()
-    losses = _losses(train.logs("slurm-2n", inv, lines=400))
+    losses = _losses(train.logs("slurm-2n", cluster, lines=400))
     assert sorted(losses) == list(range(1, steps + 1)) and losses == ref_losses, (losses, ref_losses)
 
     usage = _controller(inv, ["sacct", "--noheader", "--parsable2", "--allocations", "--jobs", st.slurm.job_id,
@@ -144,24 +151,25 @@ def test_a_2_node_job_through_slurm_has_the_systemd_paths_losses_and_its_usage_i
           f"(last {losses[steps]}); sacct: {usage}")
 
 
-def test_a_job_beyond_its_qos_stays_pending_with_the_qos_reason(inv: Path) -> None:
-    sub = train.submit(_job(inv, "over-qos", 4, 4), "over-qos", inv, nodes=2, qos="small")  # small: 1 node a job
+def test_a_job_beyond_its_qos_stays_pending_with_the_qos_reason(cluster: Cluster) -> None:
+    sub = train.submit(_job(cluster, "over-qos", 4, 4), "over-qos", cluster, nodes=2,
+                       qos="small")  # small: 1 node a job
     assert sub.success, {h: (r.failed_task, r.message) for h, r in sub.hosts.items()}
-    st = _wait("the QOS reason", lambda: (s := train.status("over-qos", inv)).slurm
+    st = _wait("the QOS reason", lambda: (s := train.status("over-qos", cluster)).slurm
                and s.slurm.reason == "QOSMaxNodePerJobLimit" and s)
     assert st.state == "pending" and st.slurm.state == "PENDING" and st.slurm.qos == "small", st.to_dict()
-    assert all(train.stop("over-qos", inv).values())
-    done = _wait("the cancel", lambda: (s := train.status("over-qos", inv)).state == "stopped" and s)
+    assert all(train.stop("over-qos", cluster).values())
+    done = _wait("the cancel", lambda: (s := train.status("over-qos", cluster)).state == "stopped" and s)
     print(f"\nslurm: 2 nodes with QOS small: {st.slurm.state} ({st.slurm.reason}); stop → {done.slurm.state}")
 
 
-def test_a_killed_slurmd_requeues_the_job_which_resumes_from_its_checkpoint(inv: Path) -> None:
+def test_a_killed_slurmd_requeues_the_job_which_resumes_from_its_checkpoint(cluster: Cluster, inv: Path) -> None:
     name = "slurm-requeue"
-    _fresh(inv, name)
+    _fresh(cluster, name)
     started = time.time()
-    sub = train.submit(_job(inv, name, 100_000, 20), name, inv, nodes=2, account="research")
+    sub = train.submit(_job(cluster, name, 100_000, 20), name, cluster, nodes=2, account="research")
     assert sub.success, {h: (r.failed_task, r.message) for h, r in sub.hosts.items()}
-    st = _wait("step 25", lambda: (s := train.status(name, inv)).last_step and s.last_step["step"] >= 25 and s,
+    st = _wait("step 25", lambda: (s := train.status(name, cluster)).last_step and s.last_step["step"] >= 25 and s,
                timeout=600)
     job_id = st.slurm.job_id
     # slurmd alone (KillMode=process leaves the job's processes): the controller hears nothing from the node for
@@ -177,7 +185,7 @@ def test_a_killed_slurmd_requeues_the_job_which_resumes_from_its_checkpoint(inv:
 
     def resumed() -> int | None:
         found = re.findall(r"resumed from \S*/step_(\d+) ", _journal(inv, name, started, "resumed from"))
-        last = train.status(name, inv).last_step
+        last = train.status(name, cluster).last_step
         return int(found[-1]) if found and last and last["step"] > int(found[-1]) + 3 else None
 
     from_step = _wait("the resumed run's steps", resumed, timeout=300)
@@ -190,12 +198,12 @@ def test_a_killed_slurmd_requeues_the_job_which_resumes_from_its_checkpoint(inv:
     assert runs[0].startswith("NODE_FAIL|") and runs[-1].startswith("RUNNING|"), runs
 
     stop_at = time.time()
-    assert all(train.stop(name, inv).values())
-    final = train.wait_job(name, inv, timeout=300, poll=3)
+    assert all(train.stop(name, cluster).values())
+    final = train.wait_job(name, cluster, timeout=300, poll=3)
     assert final.state == "stopped", final.to_dict()
     text = _journal(inv, name, stop_at, "stopping after step")
     stopped = int(re.findall(r"stopping after step (\d+) on (?:SIGTERM|a signal on another rank)", text)[-1])
-    manifest = f"{_checkpoints(inv, name)}/step_{stopped:08d}/manifest.json"
+    manifest = f"{_checkpoints(cluster, name)}/step_{stopped:08d}/manifest.json"
     assert run_command(["test", "-s", manifest], inv, "node1")["node1"].success, manifest
     print(f"\nslurm: slurmd killed on node2 at step {st.last_step['step']}; job {job_id} requeued after "
           f"{requeued_after:.0f}s (runs: {' → '.join(runs)}), resumed from step {from_step}; "

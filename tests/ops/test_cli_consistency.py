@@ -304,8 +304,8 @@ def test_the_cli_reads_the_inventorys_group_vars_as_the_readme_says(tmp_path: Pa
     """README: settings go in the inventory's group_vars/, which the CLI reads (through ansible-inventory); the
     repository's group_vars/ sets nothing, so there is nothing there the CLI could miss."""
     import yaml
-    from shardstack.ops import cluster
     from shardstack.ops import status as status_ops
+    from shardstack.ops.inventory import Cluster
 
     readme = " ".join((REPO / "README.md").read_text().split())
     assert "read both by `site.yml` and by the wrapper" not in readme
@@ -316,4 +316,4 @@ def test_the_cli_reads_the_inventorys_group_vars_as_the_readme_says(tmp_path: Pa
     (inv / "hosts.yml").write_text("all:\n  children:\n    monitoring_server:\n      hosts:\n        mon:\n"
                                    "          ansible_host: 10.0.0.9\n")
     (inv / "group_vars" / "all.yml").write_text("prometheus_port: 9999\n")
-    assert status_ops.sources(cluster.inventory_hosts(inv))[0] == "http://10.0.0.9:9999"
+    assert status_ops.sources(Cluster.load(inv))[0] == "http://10.0.0.9:9999"

@@ -17,6 +17,7 @@ from shardstack.ops import serve as serve_ops
 from shardstack.ops import storage
 from shardstack.ops import train as train_ops
 from shardstack.ops.demo import demo_job
+from shardstack.ops.inventory import Cluster
 
 REPO = Path(__file__).resolve().parents[2]
 VENV = Path(sys.executable).parent.parent
@@ -197,7 +198,7 @@ def test_model_put_copies_and_verifies(tmp_path: Path, node: tuple[Path, Path]) 
     # A copy that went wrong on the node is found, by name.
     (shared / "pretrained/llama/tokenizer.json").write_text("changed")
     with pytest.raises(ShardstackError, match=r"sha256 differs: tokenizer\.json"):
-        storage.verify_copy(inv, "h1", model, f"{shared}/pretrained/llama")
+        storage.verify_copy(Cluster.load(inv), "h1", model, f"{shared}/pretrained/llama")
 
 
 @needs_root
@@ -217,7 +218,7 @@ def test_data_put_and_prepare_on_the_cluster(tmp_path: Path, node: tuple[Path, P
     assert doc["out"] == f"{shared}/data/tokens" and doc["total_tokens"] == 50 * 44 and doc["copied"] is None
     assert (shared / "data/tokens/meta.json").is_file()
     # A file here is put first (next to the output, verified), then prepared from there.
-    local = storage.prepare_on_cluster(inv, str(text), "local", workers=1)
+    local = storage.prepare_on_cluster(Cluster.load(inv), str(text), "local", workers=1)
     assert local.copied is not None and local.source == f"{shared}/data/local-text/corpus.txt"
     assert local.meta["total_tokens"] == 50 * 44
 
@@ -240,12 +241,12 @@ def test_submit_refuses_a_data_path_without_a_prepared_data_set(tmp_path: Path, 
     config = {"data": {"path": f"{shared}/data/nothing"}, "model": {"init_from": f"{shared}/pretrained/m"},
               "checkpoint": {"dir": f"{shared}/checkpoints/j"}}
     with pytest.raises(ShardstackError, match=rf"^data.path {shared}/data/nothing holds no prepared data set"):
-        train_ops.submit(config, "j", inv)
+        train_ops.submit(config, "j", Cluster.load(inv))
     _tree(shared / "data/nothing", {"meta.json": b"{}"})
     with pytest.raises(ShardstackError, match=rf"^model.init_from {shared}/pretrained/m is not a model directory"):
-        train_ops.check_inputs(config, inv, "h1")
+        train_ops.check_inputs(config, Cluster.load(inv), "h1")
     _tree(shared / "pretrained/m", {"config.json": b"{}"})
-    train_ops.check_inputs(config, inv, "h1")  # both there: nothing to say
+    train_ops.check_inputs(config, Cluster.load(inv), "h1")  # both there: nothing to say
     # The CLI: one line, exit 2, nothing submitted.
     job = tmp_path / "j.yaml"
     job.write_text(json.dumps({"data": {"path": f"{shared}/data/other"}, "model": {"size": "tiny"},
@@ -321,10 +322,10 @@ def test_publish_of_an_unknown_job_is_one_line(node: tuple[Path, Path], tmp_path
 def test_jobs_may_live_in_a_directory_of_their_own_on_the_shared_storage() -> None:
     """training_runtime_shared_dir set in the inventory (the Slurm scenario's /mnt/lab-shared/molecule-slurm) is
     where submit expects a job's paths; unset, the shared directory is."""
-    inv = {"groups": {"train_nodes": ["n1"]}, "hostvars": {"n1": {"training_runtime_shared_dir": "/mnt/jobs"}}}
+    inv = Cluster(Path("hosts.yml"), {"train_nodes": ["n1"]}, {"n1": {"training_runtime_shared_dir": "/mnt/jobs"}})
     assert train_ops.job_shared_dir(inv) == "/mnt/jobs"
     train_ops.check_shared_paths(demo_job(10, "/mnt/jobs", "j"), train_ops.job_shared_dir(inv))
-    plain = {"groups": {"train_nodes": ["n1"]}, "hostvars": {"n1": {}}}
+    plain = Cluster(Path("hosts.yml"), {"train_nodes": ["n1"]}, {"n1": {}})
     assert train_ops.job_shared_dir(plain) == "/srv/shardstack"
     with pytest.raises(ShardstackError, match="is not under the shared directory /srv/shardstack"):
         train_ops.check_shared_paths(demo_job(10, "/mnt/jobs", "j"), train_ops.job_shared_dir(plain))

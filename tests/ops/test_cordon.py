@@ -14,6 +14,7 @@ from pathlib import Path
 import pytest
 from shardstack.errors import ShardstackError
 from shardstack.ops import cordon
+from shardstack.ops.inventory import Cluster
 from shardstack.ops.runner import CommandResult
 
 REPO = Path(__file__).resolve().parents[2]
@@ -56,8 +57,8 @@ def test_state_lives_in_the_controller_state_dir_keyed_by_the_inventory(inventor
     assert path.parent == controller_state / "cordon" and path.name.startswith("inventory-hosts.ini-")
     assert cordon.state_file(tmp_path / "." / "inventory" / ".." / "inventory" / "hosts.ini") == path
     assert cordon.state_file(inventory.parent) != path  # another inventory (the directory), another file
-    assert cordon.load(inventory) == {} and cordon.cordoned(inventory) == []
-    cordon.apply("t1", "cordon", inventory, GROUPS)
+    assert cordon.load(Cluster(inventory)) == {} and cordon.cordoned(Cluster(inventory)) == []
+    cordon.apply("t1", "cordon", Cluster(inventory, GROUPS))
     assert path.is_file() and sorted(p.name for p in inventory.parent.iterdir()) == ["hosts.ini"]
 
 
@@ -66,9 +67,9 @@ def test_a_state_file_beside_the_inventory_is_moved_out(inventory: Path) -> None
     legacy = inventory.parent / "state" / "cordoned.json"
     legacy.parent.mkdir()
     legacy.write_text(json.dumps({"t2": {"action": "drain", "roles": ["train"], "since": "2026-01-01T00:00:00Z"}}))
-    assert cordon.cordoned(inventory) == ["t2"]
-    cordon.apply("t1", "cordon", inventory, GROUPS)
-    assert cordon.cordoned(inventory) == ["t1", "t2"]
+    assert cordon.cordoned(Cluster(inventory)) == ["t2"]
+    cordon.apply("t1", "cordon", Cluster(inventory, GROUPS))
+    assert cordon.cordoned(Cluster(inventory)) == ["t1", "t2"]
     assert sorted(p.name for p in inventory.parent.iterdir()) == ["hosts.ini"]
 
 
@@ -87,23 +88,23 @@ def test_node_cordon_writes_nothing_into_the_inventory_directory(tmp_path: Path,
     out = json.loads(capsys.readouterr().out)
     assert sorted(p.relative_to(prod) for p in prod.rglob("*")) == before
     assert Path(out["state_file"]) == cordon.state_file(prod) and out["state_file"].startswith(str(controller_state))
-    assert cordon.cordoned(prod) == ["t1"]
+    assert cordon.cordoned(Cluster(prod)) == ["t1"]
 
 
 def test_cordon_drain_uncordon_a_train_node(inventory: Path) -> None:
-    out = cordon.apply("t2", "cordon", inventory, GROUPS)
+    out = cordon.apply("t2", "cordon", Cluster(inventory, GROUPS))
     assert out.roles == ["train"] and out.load_balancers == []
     state = json.loads(cordon.state_file(inventory).read_text())
     assert list(state) == ["t2"] and state["t2"]["action"] == "cordon" and state["t2"]["roles"] == ["train"]
     assert state["t2"]["since"].endswith("Z")
 
-    out = cordon.apply("t3", "drain", inventory, GROUPS)
+    out = cordon.apply("t3", "drain", Cluster(inventory, GROUPS))
     assert out.stopped_jobs == [] and "no training job was running on it" in out.notes
-    assert cordon.cordoned(inventory, "train") == ["t2", "t3"]
-    assert cordon.cordoned(inventory, "inference") == []
+    assert cordon.cordoned(Cluster(inventory), "train") == ["t2", "t3"]
+    assert cordon.cordoned(Cluster(inventory), "inference") == []
 
-    cordon.apply("t2", "uncordon", inventory, GROUPS)
-    assert cordon.cordoned(inventory) == ["t3"]
+    cordon.apply("t2", "uncordon", Cluster(inventory, GROUPS))
+    assert cordon.cordoned(Cluster(inventory)) == ["t3"]
     assert not [p for p in cordon.state_file(inventory).parent.iterdir() if p.name.startswith(".")]
 
 
@@ -118,16 +119,16 @@ def test_drain_stops_the_jobs_running_on_a_train_node(inventory: Path, monkeypat
         return {pattern: CommandResult(pattern, 0, stdout=out)}
 
     monkeypatch.setattr(cordon, "run_command", answer)
-    out = cordon.apply("t1", "drain", inventory, GROUPS)
+    out = cordon.apply("t1", "drain", Cluster(inventory, GROUPS))
     assert sent[0] == ["sh", "-c", cordon.STOP_JOBS]
     assert out.stopped_jobs == ["run1", "nightly-7"]
     assert sum("resumes it without this node" in n for n in out.notes) == 2
-    assert cordon.cordoned(inventory, "train") == ["t1"]
+    assert cordon.cordoned(Cluster(inventory), "train") == ["t1"]
 
     monkeypatch.setattr(cordon, "run_command", lambda argv, inv, pattern, **kw: {
         pattern: CommandResult(pattern, 1, unreachable=True, message="ssh: connection timed out")})
-    out = cordon.apply("t2", "drain", inventory, GROUPS)
-    assert out.stopped_jobs == [] and cordon.cordoned(inventory, "train") == ["t1", "t2"]
+    out = cordon.apply("t2", "drain", Cluster(inventory, GROUPS))
+    assert out.stopped_jobs == [] and cordon.cordoned(Cluster(inventory), "train") == ["t1", "t2"]
     assert any("not signalled (ssh: connection timed out)" in n for n in out.notes)
 
 
@@ -166,26 +167,26 @@ def test_stop_jobs_script_signals_only_the_agents_children(tmp_path: Path) -> No
 
 def test_inference_node_without_load_balancers_is_recorded_with_a_note(inventory: Path) -> None:
     groups = {**GROUPS, "train_nodes": [*GROUPS["train_nodes"], "both"]}
-    out = cordon.apply("both", "cordon", inventory, groups)
+    out = cordon.apply("both", "cordon", Cluster(inventory, groups))
     assert out.roles == ["inference", "train"]
     assert any("no loadbalancer hosts" in n for n in out.notes)
-    assert cordon.cordoned(inventory, "inference") == ["both"] == cordon.cordoned(inventory, "train")
+    assert cordon.cordoned(Cluster(inventory), "inference") == ["both"] == cordon.cordoned(Cluster(inventory), "train")
 
 
 def test_errors_are_shardstack_errors_with_hints(inventory: Path) -> None:
     with pytest.raises(ShardstackError, match="neither an inference node nor a train node") as exc:
-        cordon.apply("nope", "cordon", inventory, GROUPS)
+        cordon.apply("nope", "cordon", Cluster(inventory, GROUPS))
     assert exc.value.hint and "t1" in exc.value.hint
     with pytest.raises(ShardstackError, match="unknown action"):
-        cordon.apply("t1", "evict", inventory, GROUPS)
+        cordon.apply("t1", "evict", Cluster(inventory, GROUPS))
     cordon.state_file(inventory).parent.mkdir(parents=True)
     cordon.state_file(inventory).write_text("{not json")
     with pytest.raises(ShardstackError, match="cannot read the cordon state") as exc:
-        cordon.cordoned(inventory)
+        cordon.cordoned(Cluster(inventory))
     assert exc.value.hint
     cordon.state_file(inventory).write_text('["t1"]')
     with pytest.raises(ShardstackError, match="not a mapping"):
-        cordon.load(inventory)
+        cordon.load(Cluster(inventory))
 
 
 def test_the_node_carries_a_cordoned_metric(inventory: Path, commands: list, tmp_path: Path) -> None:
@@ -193,7 +194,7 @@ def test_the_node_carries_a_cordoned_metric(inventory: Path, commands: list, tmp
     the script really produces the file (run here with sh) and node_exporter's format parses."""
     from prometheus_client.parser import text_string_to_metric_families
 
-    out = cordon.apply("t1", "cordon", inventory, GROUPS, textfile_dir=str(tmp_path / "textfile"))
+    out = cordon.apply("t1", "cordon", Cluster(inventory, GROUPS), textfile_dir=str(tmp_path / "textfile"))
     assert out.metric_written and commands[-1][1] == "t1"
     (tmp_path / "textfile").mkdir()
     for action, value in (("drain", 1.0), ("uncordon", 0.0), ("cordon", 1.0)):
@@ -212,8 +213,8 @@ def test_an_unreachable_node_is_still_cordoned_with_a_note(inventory: Path, monk
         return {pattern: CommandResult(pattern, 4, unreachable=True, message="ssh: connect timed out")}
 
     monkeypatch.setattr(cordon, "run_command", unreachable)
-    out = cordon.apply("t1", "cordon", inventory, GROUPS)
-    assert not out.metric_written and cordon.cordoned(inventory) == ["t1"]
+    out = cordon.apply("t1", "cordon", Cluster(inventory, GROUPS))
+    assert not out.metric_written and cordon.cordoned(Cluster(inventory)) == ["t1"]
     assert any("shardstack_node_cordoned not written on t1 (ssh: connect timed out)" in n for n in out.notes)
 
 

@@ -10,6 +10,7 @@ import yaml
 from ansible import constants as C
 from shardstack.errors import ShardstackError
 from shardstack.ops.endpoint import CLUSTER_CA, endpoint, load_ca, load_cluster_ca, load_token
+from shardstack.ops.inventory import Cluster
 
 from .conftest import role_value, store_files
 
@@ -51,40 +52,38 @@ def _inventory(tmp_path: Path, **inference_vars: str) -> Path:
 
 def test_clients_find_the_token_where_the_role_keeps_it(tmp_path: Path) -> None:
     inv = _inventory(tmp_path)
-    assert load_token(inv) is None  # nothing deployed yet
+    assert load_token(Cluster.load(inv)) is None  # nothing deployed yet
     (inv.parent / "credentials").mkdir()
     (inv.parent / "credentials" / "inference-token.txt").write_text("generated\n")  # the role's default store
-    assert load_token(inv) == "generated"
+    assert load_token(Cluster.load(inv)) == "generated"
 
 
 def test_clients_follow_an_overridden_store_or_an_explicit_token(tmp_path: Path) -> None:
     moved = _inventory(tmp_path, inference_service_token_store="{{ inventory_dir }}/secrets/token.txt")
     (moved.parent / "secrets").mkdir()
     (moved.parent / "secrets" / "token.txt").write_text("moved\n")
-    assert load_token(moved) == "moved"
+    assert load_token(Cluster.load(moved)) == "moved"
     (tmp_path / "other").mkdir()
     explicit = _inventory(tmp_path / "other", inference_service_token="set-in-inventory")
-    assert load_token(explicit) == "set-in-inventory"
+    assert load_token(Cluster.load(explicit)) == "set-in-inventory"
 
 
 def test_a_store_path_with_other_jinja_is_a_clear_error(tmp_path: Path) -> None:
     inv = _inventory(tmp_path, inference_service_token_store="{{ lookup('env', 'HOME') }}/t.txt")
     with pytest.raises(ShardstackError, match="set a plain path"):
-        load_token(inv)
+        load_token(Cluster.load(inv))
 
 
 def test_clients_read_cluster_settings_as_the_roles_do(tmp_path: Path) -> None:
-    from shardstack.ops.cluster import inventory_hosts, setting, shared_dir
-
     inv = tmp_path / "hosts.yml"
     inv.write_text(yaml.safe_dump({"all": {"children": {
         "train_nodes": {"hosts": {"n1": {}}, "vars": {"shardstack_shared_dir": "/data/shared"}},
         "loadbalancer": {"hosts": {"n1": {}}, "vars": {"loadbalancer_port": "{{ 8000 + 80 }}"}}}}}))
-    found = inventory_hosts(inv)
-    assert shared_dir(found) == "/data/shared"  # the inventory's value wins
-    assert setting(found, "training_runtime_venv", "training_runtime", "train_nodes") == "/opt/shardstack/venv"
+    found = Cluster.load(inv)
+    assert found.shared_dir == "/data/shared"  # the inventory's value wins
+    assert found.setting("training_runtime_venv", "training_runtime", "train_nodes") == "/opt/shardstack/venv"
     with pytest.raises(ShardstackError, match=r"loadbalancer_port=.*is a template"):
-        setting(found, "loadbalancer_port", "loadbalancer", "loadbalancer")
+        found.setting("loadbalancer_port", "loadbalancer", "loadbalancer")
 
 
 def _lb_inventory(tmp_path: Path, **lb_vars: object) -> Path:
@@ -98,8 +97,8 @@ def _lb_inventory(tmp_path: Path, **lb_vars: object) -> Path:
 
 def test_clients_find_the_ca_where_the_role_keeps_it(tmp_path: Path) -> None:
     inv = _lb_inventory(tmp_path)
-    assert load_ca(inv) == inv.parent / "credentials" / CLUSTER_CA
-    ep = endpoint(inv)
+    assert load_ca(Cluster.load(inv)) == inv.parent / "credentials" / CLUSTER_CA
+    ep = endpoint(Cluster.load(inv))
     assert (ep.url, ep.token, ep.cafile) == ("https://10.0.0.1", None, inv.parent / "credentials" / CLUSTER_CA)
     # Not deployed yet: the first request says so in one line, without a traceback.
     with pytest.raises(ShardstackError, match=r"(?s)no CA certificate at .*deploy it first"):
@@ -108,14 +107,14 @@ def test_clients_find_the_ca_where_the_role_keeps_it(tmp_path: Path) -> None:
 
 def test_clients_follow_an_overridden_ca_store_port_or_certificate(tmp_path: Path) -> None:
     moved = _lb_inventory(tmp_path / "a", loadbalancer_tls_store="{{ inventory_dir }}/pki", loadbalancer_tls_port=8443)
-    assert load_ca(moved) == moved.parent / "pki" / CLUSTER_CA
-    assert endpoint(moved).url == "https://10.0.0.1:8443"
+    assert load_ca(Cluster.load(moved)) == moved.parent / "pki" / CLUSTER_CA
+    assert endpoint(Cluster.load(moved)).url == "https://10.0.0.1:8443"
     named = _lb_inventory(tmp_path / "b", loadbalancer_tls_cert="/pki/lb.crt", loadbalancer_tls_key="/pki/lb.key",
                           loadbalancer_tls_ca="/pki/ca.crt")
-    assert load_ca(named) == Path("/pki/ca.crt")
+    assert load_ca(Cluster.load(named)) == Path("/pki/ca.crt")
     public = _lb_inventory(tmp_path / "c", loadbalancer_tls_cert="/pki/lb.crt", loadbalancer_tls_key="/pki/lb.key")
-    assert load_ca(public) is None  # an own certificate without a CA named: the system's trust store
+    assert load_ca(Cluster.load(public)) is None  # an own certificate without a CA named: the system's trust store
     # The backends' certificates always come from the cluster CA, whatever the edge's certificate.
-    assert load_cluster_ca(public) == public.parent / "credentials" / CLUSTER_CA
-    assert load_cluster_ca(named) == named.parent / "credentials" / CLUSTER_CA
-    assert load_cluster_ca(moved) == moved.parent / "pki" / CLUSTER_CA
+    assert load_cluster_ca(Cluster.load(public)) == public.parent / "credentials" / CLUSTER_CA
+    assert load_cluster_ca(Cluster.load(named)) == named.parent / "credentials" / CLUSTER_CA
+    assert load_cluster_ca(Cluster.load(moved)) == moved.parent / "pki" / CLUSTER_CA

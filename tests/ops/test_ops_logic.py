@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import pytest
 from shardstack.errors import ShardstackError
-from shardstack.ops.demo import demo_job
+from shardstack.ops.demo import PROMPT, DemoResult, demo_job
+from shardstack.ops.endpoint import Completion
 from shardstack.ops.jobs.common import JobStatus, NodeJobState, check_job_name, parse_step_lines
 from shardstack.ops.jobs.systemd import state_of
 from shardstack.ops.validate import validate_findings
@@ -92,3 +93,14 @@ def test_demo_job_fine_tunes_a_model_on_shared_storage() -> None:
     # Data prepared with another tokenizer must not be reused: the directory is named after the model.
     assert job["data"]["path"] == "/srv/shardstack/data/corpus-stdlib-llama-0123456789ab"
     assert job["engine"]["stage"] == 3 and job["optimizer"]["lr"] < demo_job(60, "/srv/shardstack")["optimizer"]["lr"]
+
+
+def test_the_demo_outcome_is_what_demo_json_prints() -> None:
+    """`shardstack demo --json`: phases with seconds, the completion, the error (also when a phase failed)."""
+    done = DemoResult("demo", [("lab up (3 nodes)", 12.34), ("site.yml", 80.06)], Completion(200, 0.25, " value", {}))
+    assert done.to_dict() == {"name": "demo", "ok": True, "error": None,
+                              "phases": [{"phase": "lab up (3 nodes)", "seconds": 12.3},
+                                         {"phase": "site.yml", "seconds": 80.1}],
+                              "completion": {"prompt": PROMPT, "text": " value", "seconds": 0.25}}
+    failed = DemoResult("demo", [("lab up (3 nodes)", 1.0)], error="train submit failed").to_dict()
+    assert (failed["ok"], failed["error"], failed["completion"]) == (False, "train submit failed", None)

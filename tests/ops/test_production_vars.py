@@ -12,6 +12,7 @@ import pytest
 import yaml
 from shardstack.build.variables import PRODUCTION
 from shardstack.cli import deploy
+from shardstack.ops.inventory import Cluster
 from shardstack.ops.production import unset_production_variables, warning_lines
 from shardstack.ops.runner import RunResult
 
@@ -40,7 +41,7 @@ def test_exactly_the_unset_ones_are_reported(tmp_path: Path) -> None:
     # but slurm_users is left out, so it joins the unset ones; the webhook and the client networks are left out too.
     inv = _inventory(tmp_path, {"firewall_admin_networks": [], "loadbalancer_tls_cert": "/etc/pki/lb.crt",
                                 "grafana_admin_password": "s3cret", "shardstack_scheduler": "slurm"})
-    unset = unset_production_variables(inv)
+    unset = unset_production_variables(Cluster.load(inv))
     assert {u.name for u in unset} == {"firewall_client_networks", "prometheus_alertmanager_webhook_url",
                                        "slurm_users"}
     by_name = {u.name: u for u in unset}
@@ -57,7 +58,7 @@ def test_conditions_and_host_vars_are_read_per_host(tmp_path: Path) -> None:
     inv = _inventory(tmp_path, {"grafana_enabled": False, "firewall_client_networks": ["198.51.100.0/24"],
                                 "loadbalancer_tls_cert": "x", "prometheus_alertmanager_webhook_url": "https://hook"},
                      host_vars={"ops01": {"firewall_admin_networks": ["203.0.113.0/24"]}})
-    unset = unset_production_variables(inv)
+    unset = unset_production_variables(Cluster.load(inv))
     assert [(u.name, u.hosts, u.of_hosts) for u in unset] == [
         ("firewall_admin_networks", ["gpu01", "gpu02", "gpu03"], 4)]
     assert warning_lines(unset)[0] == (
@@ -67,7 +68,7 @@ def test_conditions_and_host_vars_are_read_per_host(tmp_path: Path) -> None:
 
 def test_nothing_to_say_when_every_production_variable_is_set(tmp_path: Path) -> None:
     inv = _inventory(tmp_path, {v.name: "set" for v in PRODUCTION} | {"shardstack_scheduler": "slurm"})
-    assert unset_production_variables(inv) == []
+    assert unset_production_variables(Cluster.load(inv)) == []
     assert warning_lines([]) == []
 
 

@@ -18,7 +18,7 @@ from e2e.quickstart import _BLOCK, DOC, blocks, commands, section
 from shardstack.build.variables import PRODUCTION, load_roles
 from shardstack.cli import build_parser
 from shardstack.ops import train as train_ops
-from shardstack.ops.cluster import check_inventory
+from shardstack.ops.inventory import Cluster
 from shardstack.ops.production import unset_production_variables, warning_lines
 
 from .test_troubleshooting_doc import _exact, command_lines
@@ -131,14 +131,16 @@ def test_the_template_and_hosts_leave_check_nothing_to_warn_about(tmp_path: Path
     (inv / "group_vars").mkdir(parents=True)
     (inv / "hosts.yml").write_text(yaml_block("# inventory/prod/hosts.yml"))
     (inv / "group_vars" / "all.yml").write_text(yaml_block("# inventory/prod/group_vars/all.yml"))
-    assert check_inventory(inv) == []
-    assert [u.name for u in unset_production_variables(inv)] == []
+    cluster = Cluster.load(inv)
+    assert cluster.problems() == []
+    assert [u.name for u in unset_production_variables(cluster)] == []
 
 
 def test_the_sample_warnings_shown_are_the_real_ones() -> None:
     shown = [line for body in blocks(DOC.read_text(), "") for line in body.splitlines()
              if line.startswith("warning: production:")]
-    real = [f"warning: {line}" for line in warning_lines(unset_production_variables(REPO / "inventory" / "sample"))]
+    sample = Cluster.load(REPO / "inventory" / "sample")
+    real = [f"warning: {line}" for line in warning_lines(unset_production_variables(sample))]
     assert shown == real
 
 

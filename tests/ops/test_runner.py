@@ -67,6 +67,7 @@ def test_run_command_per_host(local_inventory: Path, tmp_path: Path) -> None:
 
 
 def test_place_model_copies_a_directory_to_shared_storage(tmp_path: Path) -> None:
+    from shardstack.ops.inventory import Cluster
     from shardstack.ops.storage import place_model
 
     shared = tmp_path / "shared"
@@ -81,7 +82,7 @@ def test_place_model_copies_a_directory_to_shared_storage(tmp_path: Path) -> Non
     (model / "sub").mkdir(parents=True)
     (model / "config.json").write_text("{}")
     (model / "sub" / "w.bin").write_bytes(b"\x00" * 10)
-    dest = place_model(inv, model, become=False)
+    dest = place_model(Cluster.load(inv), model, become=False)
     assert dest == f"{shared}/pretrained/stdlib-llama-0123"
     assert (Path(dest) / "config.json").read_text() == "{}" and (Path(dest) / "sub" / "w.bin").stat().st_size == 10
     assert (Path(dest) / "config.json").stat().st_mode & 0o777 == 0o644  # readable by the job's user

@@ -15,6 +15,7 @@ from rich.console import Console
 from shardstack.cli import main as cli_main
 from shardstack.cli import status as status_cli
 from shardstack.ops import status as status_ops
+from shardstack.ops.inventory import Cluster
 
 
 def _vector(*samples: tuple[dict[str, str], str]) -> dict:
@@ -200,11 +201,11 @@ def test_status_table(server: str) -> None:
 
 
 def test_sources_from_the_inventory() -> None:
-    inv = {"groups": GROUPS, "hostvars": {"lb": {"ansible_host": "10.0.0.5"}}}
+    inv = Cluster(Path("hosts.yml"), GROUPS, {"lb": {"ansible_host": "10.0.0.5"}})
     # HAProxy's metrics listener (plain HTTP, open to the admin networks), not the stats page (TLS + password).
     assert status_ops.sources(inv) == ("http://10.0.0.5:9090", "http://10.0.0.5:8405/metrics")
-    inv = {"groups": {**GROUPS, "monitoring_server": []},
-           "hostvars": {"lb": {"ansible_host": "10.0.0.5", "loadbalancer_metrics_port": 9405}}}
+    inv = Cluster(Path("hosts.yml"), {**GROUPS, "monitoring_server": []},
+                  {"lb": {"ansible_host": "10.0.0.5", "loadbalancer_metrics_port": 9405}})
     assert status_ops.sources(inv) == (None, "http://10.0.0.5:9405/metrics")
 
 

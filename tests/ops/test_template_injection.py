@@ -21,6 +21,7 @@ from shardstack.cli.deploy import run_and_report
 from shardstack.errors import ShardstackError
 from shardstack.ops import cordon
 from shardstack.ops import train as train_ops
+from shardstack.ops.inventory import Cluster
 from shardstack.ops.runner import run_command, run_module, run_playbook, state_dir
 
 SINK = "tests/ops/playbooks/template_injection.yml"
@@ -151,7 +152,7 @@ def test_train_submit_passes_config_and_cordoned_names_inert(tmp_path: Path, mar
     cordon.state_file(inv).write_text(json.dumps({cordoned: {"roles": ["train"]}}))
     config = {"data": {"path": f"/srv/shardstack/data/{_pipe(markers[1])}"}}  # under the default shared dir
     # Two nodes asked of one: the first play fails on localhost before any node is touched, with its message.
-    res = train_ops.submit(config, "inj", inv, nodes=2, prepare_demo_data=True)
+    res = train_ops.submit(config, "inj", Cluster.load(inv), nodes=2, prepare_demo_data=True)
     assert not res.success
     assert f"({cordoned} cordoned)" in res.hosts["localhost"].message
     # What Ansible loaded as the run's extra vars, rendered the way a play renders a reference to them.

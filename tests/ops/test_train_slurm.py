@@ -3,6 +3,7 @@ options checked before anything runs, and the batch script the role writes (mole
 
 from __future__ import annotations
 
+import json
 import re
 import subprocess
 from pathlib import Path
@@ -10,7 +11,8 @@ from pathlib import Path
 import pytest
 import yaml
 from shardstack.errors import ShardstackError
-from shardstack.ops import cluster, train
+from shardstack.ops import train
+from shardstack.ops.inventory import Cluster
 from shardstack.ops.jobs.common import JobStatus, identifier
 from shardstack.ops.jobs.slurm import SlurmJob, parse_slurm_job, state_of
 
@@ -61,9 +63,9 @@ def _inventory(tmp_path: Path, scheduler: str) -> Path:
 
 
 def test_the_scheduler_is_the_inventorys(tmp_path: Path) -> None:
-    assert train.scheduler(_inventory(tmp_path, "slurm")) == "slurm"
+    assert Cluster.load(_inventory(tmp_path, "slurm")).scheduler == "slurm"
     with pytest.raises(ShardstackError, match="shardstack_scheduler is 'cron'"):
-        train.scheduler(_inventory(tmp_path, "cron"))
+        _ = Cluster.load(_inventory(tmp_path, "cron")).scheduler
 
 
 @pytest.mark.parametrize(("scheduler", "options", "message"), [
@@ -76,7 +78,7 @@ def test_the_scheduler_is_the_inventorys(tmp_path: Path) -> None:
 def test_slurm_options_are_checked_before_anything_runs(tmp_path: Path, scheduler: str, options: dict,
                                                          message: str) -> None:
     with pytest.raises(ShardstackError, match=message):
-        train.submit({}, "job", _inventory(tmp_path, scheduler), **options)
+        train.submit({}, "job", Cluster.load(_inventory(tmp_path, scheduler)), **options)
 
 
 def test_slurm_names_and_time_limits() -> None:
@@ -161,11 +163,64 @@ def test_slurm_jobs_are_the_training_users(tmp_path: Path) -> None:
     default = yaml.safe_load((roles / "training_runtime" / "defaults" / "main.yml").read_text())
     assert default["training_runtime_user"] == "{{ shardstack_user }}"
     inventory = _inventory(tmp_path, "slurm")
-    assert cluster.job_account(cluster.inventory_hosts(inventory)) == "shardstack"
+    assert Cluster.load(inventory).job_account == "shardstack"
     data = yaml.safe_load(inventory.read_text())
     data["all"]["vars"]["shardstack_user"] = "svc"
     inventory.write_text(yaml.safe_dump(data))
-    assert cluster.job_account(cluster.inventory_hosts(inventory)) == "svc"
+    assert Cluster.load(inventory).job_account == "svc"
     data["all"]["vars"]["training_runtime_user"] = "trainer"
     inventory.write_text(yaml.safe_dump(data))
-    assert cluster.job_account(cluster.inventory_hosts(inventory)) == "trainer"
+    assert Cluster.load(inventory).job_account == "trainer"
+
+
+@pytest.fixture
+def reads(monkeypatch: pytest.MonkeyPatch) -> list[Path]:
+    """Every `ansible-inventory --list` of the test (the real one runs; each call is recorded)."""
+    from shardstack.ops import inventory
+
+    done: list[Path] = []
+    real = inventory.read_inventory
+
+    def counted(path: Path) -> tuple:
+        done.append(path)
+        return real(path)
+
+    monkeypatch.setattr(inventory, "read_inventory", counted)
+    return done
+
+
+@pytest.fixture
+def slurm_answers(monkeypatch: pytest.MonkeyPatch) -> list[str]:
+    """The Slurm controller's answers in turn (squeue while the job is queued or runs, then sacct), the journal's
+    step lines on the train node: what a job does over a few polls, no node reached."""
+    from shardstack.ops.jobs import slurm
+    from shardstack.ops.runner import CommandResult
+
+    answers = ["43|PENDING|Resources|0:00|1||shardstack|normal|N/A",
+               "43|RUNNING|None|0:05|1|t1|shardstack|normal|2026-12-01T10:00:00", "",
+               "43|COMPLETED|None|0:09|1|t1|shardstack|normal|2026-12-01T10:00:00"]
+
+    def run_command(argv: list[str], inventory: Path, pattern: str, **_: object) -> dict[str, CommandResult]:
+        out = answers.pop(0) if argv[0] in ("squeue", "sacct") else '{"step": 9, "loss": 2.5}'
+        return {"t1": CommandResult("t1", 0, out)}
+
+    monkeypatch.setattr(slurm, "run_command", run_command)
+    return answers
+
+
+def test_waiting_on_a_job_reads_the_inventory_once(tmp_path: Path, reads: list[Path],
+                                                   slurm_answers: list[str]) -> None:
+    """Each poll asks the scheduler and the job account (two settings) and the loop polls three times: one read."""
+    seen: list[str] = []
+    st = train.wait_job("j", Cluster.load(_inventory(tmp_path, "slurm")), timeout=60, poll=0,
+                        on_status=lambda s: seen.append(s.state))
+    assert seen == ["pending", "running", "finished"] and st.last_step == {"step": 9, "loss": 2.5}
+    assert slurm_answers == [] and len(reads) == 1
+
+
+def test_a_command_reads_the_inventory_once(tmp_path: Path, reads: list[Path], slurm_answers: list[str],
+                                            capsys: pytest.CaptureFixture[str]) -> None:
+    from shardstack.cli import main as cli_main
+
+    assert cli_main(["train", "status", "j", "-i", str(_inventory(tmp_path, "slurm")), "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["state"] == "pending" and len(reads) == 1

@@ -7,7 +7,7 @@ import json
 
 from rich.table import Table
 
-from shardstack.cli.inventory import add_inventory_arg
+from shardstack.cli.inventory import add_inventory_arg, load_cluster
 from shardstack.cli.output import EXIT_FAILED_HOSTS, EXIT_OK, LiveProgress, console
 from shardstack.ops import lifecycle
 
@@ -38,7 +38,7 @@ def human(n: float) -> str:
 
 
 def _prune(args: argparse.Namespace) -> int:
-    plan, _ = lifecycle.prune(args.inventory, keep_exports=args.keep_exports, older_than_days=args.older_than,
+    plan, _ = lifecycle.prune(load_cluster(args), keep_exports=args.keep_exports, older_than_days=args.older_than,
                               dry_run=args.dry_run, on_event=None if args.json else LiveProgress())
     code = EXIT_FAILED_HOSTS if plan.errors else EXIT_OK
     if args.json:

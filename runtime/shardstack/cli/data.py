@@ -7,7 +7,7 @@ import argparse
 import json
 from pathlib import Path
 
-from shardstack.cli.inventory import add_inventory_arg
+from shardstack.cli.inventory import add_inventory_arg, load_cluster
 from shardstack.errors import ShardstackError
 
 
@@ -75,8 +75,6 @@ def _prepare(args: argparse.Namespace) -> int:
 
 
 def _prepare_on_cluster(args: argparse.Namespace) -> int:
-    from shardstack.cli.inventory import default_inventory
-
     if args.out is not None:
         raise ShardstackError("--cluster writes <shared>/data/NAME: pass --out-name NAME, not --out")
     if args.out_name is None:
@@ -86,8 +84,7 @@ def _prepare_on_cluster(args: argparse.Namespace) -> int:
                               "directory here")
     from shardstack.ops import storage
 
-    inventory = args.inventory or default_inventory()
-    done = storage.prepare_on_cluster(inventory, args.input, args.out_name, tokenizer=args.tokenizer,
+    done = storage.prepare_on_cluster(load_cluster(args), args.input, args.out_name, tokenizer=args.tokenizer,
                                       workers=args.workers)
     if args.json:
         print(json.dumps({"host": done.host, "input": done.source, **done.meta, "out": done.out,
@@ -105,5 +102,5 @@ def _put(args: argparse.Namespace) -> int:
     from shardstack.cli.output import report_copy
     from shardstack.ops import storage
 
-    report_copy(storage.put_data(args.inventory, args.src, args.name), as_json=args.json)
+    report_copy(storage.put_data(load_cluster(args), args.src, args.name), as_json=args.json)
     return 0

@@ -14,10 +14,9 @@ from typing import Any
 import yaml
 from rich.table import Table
 
-from shardstack.cli.inventory import add_inventory_arg
+from shardstack.cli.inventory import add_inventory_arg, load_cluster
 from shardstack.cli.output import EXIT_FAILED_HOSTS, EXIT_OK, LiveProgress, console, summary_table
 from shardstack.errors import ShardstackError
-from shardstack.ops.cluster import check_inventory
 from shardstack.ops.production import unset_production_variables, warning_lines
 from shardstack.ops.runner import RunResult, run_playbook
 from shardstack.ops.validate import node_facts, run_validate
@@ -105,12 +104,13 @@ def _deploy(args: argparse.Namespace) -> int:
 
 
 def _check(args: argparse.Namespace) -> int:
-    problems = check_inventory(args.inventory)
+    cluster = load_cluster(args)
+    problems = cluster.problems()
     for p in problems:
         console.print(f"[red]inventory:[/] {p}", highlight=False)
-    unset = unset_production_variables(args.inventory)  # warnings only: the exit code stays the preflight's
+    unset = unset_production_variables(cluster)  # warnings only: the exit code stays the preflight's
     if args.json:
-        result = run_playbook("playbooks/preflight.yml", args.inventory, limit=args.limit,
+        result = run_playbook("playbooks/preflight.yml", cluster.path, limit=args.limit,
                               extravars=parse_extra_vars(args.extra_vars))
         print(json.dumps({**result.to_dict(), "warnings": [u.to_dict() for u in unset]}, indent=2))
     else:
@@ -171,7 +171,7 @@ def _dd_rate(line: str) -> str:
 
 
 def _validate(args: argparse.Namespace) -> int:
-    result, findings = run_validate(args.inventory, allreduce_mb=args.allreduce_mb, limit=args.limit,
+    result, findings = run_validate(load_cluster(args), allreduce_mb=args.allreduce_mb, limit=args.limit,
                                     extravars=parse_extra_vars(args.extra_vars),
                                     on_event=None if args.json else LiveProgress())
     if args.json:

@@ -6,8 +6,12 @@ from __future__ import annotations
 import argparse
 import os
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from shardstack.errors import ShardstackError
+
+if TYPE_CHECKING:  # main() imports this module for every command: the ops layer only for those that use it
+    from shardstack.ops.inventory import Cluster
 
 INVENTORY_ENV = "SHARDSTACK_INVENTORY"
 LAB_INVENTORY = Path("inventory/lab/hosts.yml")  # what `shardstack lab up` writes, relative to the working directory
@@ -35,3 +39,10 @@ def resolve_inventory(args: argparse.Namespace) -> None:
     """Fill in args.inventory for a command that takes -i and was given none."""
     if getattr(args, _RESOLVE, False) and args.inventory is None:
         args.inventory = default_inventory()
+
+
+def load_cluster(args: argparse.Namespace) -> Cluster:
+    """The cluster the command targets, loaded once for the whole command (its inventory is read on first use)."""
+    from shardstack.ops.inventory import Cluster
+
+    return Cluster.load(args.inventory or default_inventory())

@@ -9,7 +9,7 @@ import sys
 from rich.markup import escape
 from rich.table import Table
 
-from shardstack.cli.inventory import add_inventory_arg
+from shardstack.cli.inventory import add_inventory_arg, load_cluster
 from shardstack.cli.output import EXIT_OK, console
 from shardstack.ops import logs as logs_ops
 
@@ -53,15 +53,16 @@ def _row(entry: logs_ops.LogEntry) -> tuple[str, ...]:
 def _logs(args: argparse.Namespace) -> int:
     q = logs_ops.LogQuery(host=args.host, unit=args.unit, job=args.job, identifier=args.identifier, since=args.since,
                           grep=args.grep, lines=args.lines)
+    cluster = load_cluster(args)
     if args.follow:
-        for entry in logs_ops.follow(q, args.inventory, host=args.collector):
+        for entry in logs_ops.follow(q, cluster, host=args.collector):
             if args.json:
                 _json_line(entry)
             else:
                 console.print(" ".join(_row(entry)), soft_wrap=True, highlight=False)
         return EXIT_OK
     with console.status("asking the log collector (journalctl --merge over ansible-runner)…"):
-        entries = logs_ops.query(q, args.inventory, host=args.collector)
+        entries = logs_ops.query(q, cluster, host=args.collector)
     if args.json:
         for entry in entries:
             _json_line(entry)

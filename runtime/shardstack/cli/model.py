@@ -6,7 +6,7 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
-from shardstack.cli.inventory import add_inventory_arg
+from shardstack.cli.inventory import add_inventory_arg, load_cluster
 from shardstack.cli.output import report_copy
 
 
@@ -25,5 +25,5 @@ def register(sub: argparse._SubParsersAction) -> None:
 def _put(args: argparse.Namespace) -> int:
     from shardstack.ops import storage
 
-    report_copy(storage.put_model(args.inventory, args.dir, args.name), as_json=args.json, use_as="model.init_from")
+    report_copy(storage.put_model(load_cluster(args), args.dir, args.name), as_json=args.json, use_as="model.init_from")
     return 0

@@ -6,9 +6,8 @@ import argparse
 import json
 from dataclasses import asdict
 
-from shardstack.cli.inventory import add_inventory_arg
+from shardstack.cli.inventory import add_inventory_arg, load_cluster
 from shardstack.cli.output import console
-from shardstack.ops import cluster
 from shardstack.ops import cordon as cordon_ops
 
 HELP = {
@@ -31,12 +30,11 @@ def register(sub: argparse._SubParsersAction) -> None:
 
 
 def _apply(args: argparse.Namespace) -> int:
-    inv = cluster.inventory_hosts(args.inventory)
-    socket = str(cluster.setting(inv, "loadbalancer_admin_socket", "loadbalancer", "loadbalancer"))
-    own = inv["hostvars"].get(args.node, {}).get("node_exporter_textfile_dir")  # the node's own value wins
-    textfile_dir = str(own or cluster.setting(inv, "node_exporter_textfile_dir", "node_exporter"))
-    out = cordon_ops.apply(args.node, args.action, args.inventory, inv["groups"], socket=socket,
-                           textfile_dir=textfile_dir)
+    cluster = load_cluster(args)
+    socket = str(cluster.setting("loadbalancer_admin_socket", "loadbalancer", "loadbalancer"))
+    own = cluster.hostvars.get(args.node, {}).get("node_exporter_textfile_dir")  # the node's own value wins
+    textfile_dir = str(own or cluster.setting("node_exporter_textfile_dir", "node_exporter"))
+    out = cordon_ops.apply(args.node, args.action, cluster, socket=socket, textfile_dir=textfile_dir)
     if args.json:
         print(json.dumps(asdict(out), indent=2))
         return 0

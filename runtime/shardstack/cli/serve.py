@@ -13,7 +13,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 from shardstack.cli.checkpoint import key_args, load_key
-from shardstack.cli.inventory import add_inventory_arg
+from shardstack.cli.inventory import add_inventory_arg, load_cluster
 from shardstack.cli.output import EXIT_FAILED_HOSTS, EXIT_OK, LiveProgress, console, summary_table
 from shardstack.errors import ShardstackError
 from shardstack.model.artifact import check_model_dir
@@ -208,7 +208,7 @@ def run(args: argparse.Namespace) -> int:
 def _rollout(args: argparse.Namespace) -> int:
     from shardstack.ops.serve import rollout
 
-    result = rollout(args.inventory, limit=args.limit, on_event=None if args.json else LiveProgress())
+    result = rollout(load_cluster(args), limit=args.limit, on_event=None if args.json else LiveProgress())
     if args.json:
         print(json.dumps(result.to_dict(), indent=2))
     else:
@@ -220,7 +220,7 @@ def _publish(args: argparse.Namespace) -> int:
     from shardstack.ops.serve import parse_job_ref, publish
 
     parse_job_ref(args.job)  # bad input: one line before the inventory is read
-    done = publish(args.inventory, args.job, rollout_after=not args.no_rollout,
+    done = publish(load_cluster(args), args.job, rollout_after=not args.no_rollout,
                    on_event=None if args.json else LiveProgress())
     ok = done.rollout is None or done.rollout.success
     if args.json:

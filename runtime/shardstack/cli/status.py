@@ -10,9 +10,9 @@ import time
 from rich.live import Live
 from rich.table import Table
 
-from shardstack.cli.inventory import add_inventory_arg
+from shardstack.cli.inventory import add_inventory_arg, load_cluster
 from shardstack.cli.output import EXIT_FAILED_HOSTS, EXIT_OK, console
-from shardstack.ops import cluster, cordon
+from shardstack.ops import cordon
 from shardstack.ops import status as status_ops
 
 
@@ -69,11 +69,11 @@ def table(st: status_ops.Status) -> Table:
 
 
 def _status(args: argparse.Namespace) -> int:
-    inv = cluster.inventory_hosts(args.inventory)
-    prometheus, haproxy = status_ops.sources(inv)
+    cluster = load_cluster(args)
+    prometheus, haproxy = status_ops.sources(cluster)
 
     def snapshot() -> status_ops.Status:
-        return status_ops.collect(inv["groups"], cordon.load(args.inventory), prometheus, haproxy)
+        return status_ops.collect(cluster.groups, cordon.load(cluster), prometheus, haproxy)
 
     if args.json:
         st = snapshot()

@@ -12,7 +12,7 @@ from pathlib import Path
 
 from rich.table import Table
 
-from shardstack.cli.inventory import add_inventory_arg
+from shardstack.cli.inventory import add_inventory_arg, load_cluster
 from shardstack.cli.output import EXIT_FAILED_HOSTS, EXIT_OK, LiveProgress, console, summary_table
 from shardstack.errors import ShardstackError
 from shardstack.ops import train as train_ops
@@ -109,7 +109,7 @@ def _submit(args: argparse.Namespace) -> int:
         raise ShardstackError("--nodes must be ≥ 1")
     config = train_ops.load_job(args.config)
     name = train_ops.check_job_name(args.name or config["name"] or args.config.stem.lower().replace(".", "-"))
-    result = train_ops.submit(config, name, args.inventory, nodes=args.nodes, account=args.account, qos=args.qos,
+    result = train_ops.submit(config, name, load_cluster(args), nodes=args.nodes, account=args.account, qos=args.qos,
                               time_limit=args.time_limit, allow_config_change=args.allow_config_change,
                               on_event=None if args.json else LiveProgress())
     if args.json:
@@ -122,7 +122,7 @@ def _submit(args: argparse.Namespace) -> int:
 
 
 def _status(args: argparse.Namespace) -> int:
-    st = train_ops.status(args.name, args.inventory)
+    st = train_ops.status(args.name, load_cluster(args))
     if args.json:
         print(json.dumps(st.to_dict(), indent=2))
         return 0 if st.state != "failed" else 1
@@ -149,7 +149,7 @@ def _status(args: argparse.Namespace) -> int:
 
 
 def _stop(args: argparse.Namespace) -> int:
-    done = train_ops.stop(args.name, args.inventory)
+    done = train_ops.stop(args.name, load_cluster(args))
     if args.json:
         print(json.dumps(done, indent=2))
     else:
@@ -165,7 +165,7 @@ def _unanswered(text: str) -> bool:
 
 
 def _logs(args: argparse.Namespace) -> int:
-    out = train_ops.logs(args.name, args.inventory, args.lines)
+    out = train_ops.logs(args.name, load_cluster(args), args.lines)
     failed = sorted(h for h, text in out.items() if _unanswered(text))
     code = EXIT_FAILED_HOSTS if failed or not out else EXIT_OK
     if args.json:

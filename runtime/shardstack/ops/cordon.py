@@ -30,6 +30,7 @@ from pathlib import Path
 from typing import Any
 
 from shardstack.errors import ShardstackError
+from shardstack.ops.inventory import Cluster
 from shardstack.ops.runner import CommandResult, run_command, state_dir
 
 ACTIONS = ("cordon", "drain", "uncordon")
@@ -65,10 +66,10 @@ def _legacy_file(inventory: Path) -> Path:
     return (inventory if inventory.is_dir() else inventory.parent) / "state" / "cordoned.json"
 
 
-def load(inventory: Path) -> dict[str, dict[str, Any]]:
-    path = state_file(inventory)
+def load(cluster: Cluster) -> dict[str, dict[str, Any]]:
+    path = state_file(cluster.path)
     if not path.exists():
-        path = _legacy_file(inventory)
+        path = _legacy_file(cluster.path)
     if not path.exists():
         return {}
     try:
@@ -82,9 +83,9 @@ def load(inventory: Path) -> dict[str, dict[str, Any]]:
     return data
 
 
-def save(inventory: Path, state: dict[str, dict[str, Any]]) -> Path:
+def save(cluster: Cluster, state: dict[str, dict[str, Any]]) -> Path:
     """Written to a temporary file and renamed, so a reader never sees half of it."""
-    path = state_file(inventory)
+    path = state_file(cluster.path)
     path.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(prefix=".cordoned.", dir=path.parent)
     try:
@@ -95,7 +96,7 @@ def save(inventory: Path, state: dict[str, dict[str, Any]]) -> Path:
     except BaseException:
         Path(tmp).unlink(missing_ok=True)
         raise
-    legacy = _legacy_file(inventory)
+    legacy = _legacy_file(cluster.path)
     if legacy.exists():  # moved: nothing of ours stays where Ansible reads inventory
         legacy.unlink()
         with contextlib.suppress(OSError):
@@ -103,9 +104,9 @@ def save(inventory: Path, state: dict[str, dict[str, Any]]) -> Path:
     return path
 
 
-def cordoned(inventory: Path, role: str | None = None) -> list[str]:
+def cordoned(cluster: Cluster, role: str | None = None) -> list[str]:
     """Cordoned (or drained) nodes, optionally only those recorded with `role` (inference | train)."""
-    return sorted(n for n, e in load(inventory).items() if role is None or role in e.get("roles", []))
+    return sorted(n for n, e in load(cluster).items() if role is None or role in e.get("roles", []))
 
 
 def roles_of(node: str, groups: dict[str, list[str]]) -> list[str]:
@@ -191,22 +192,22 @@ def _stop_jobs(node: str, inventory: Path, outcome: Outcome) -> None:
         outcome.notes.append("no training job was running on it")
 
 
-def apply(node: str, action: str, inventory: Path, groups: dict[str, list[str]], *,
+def apply(node: str, action: str, cluster: Cluster, *,
           backend: str = "inference", socket: str = "/run/haproxy/admin.sock",
           textfile_dir: str = TEXTFILE_DIR) -> Outcome:
     """Cordon, drain or uncordon one node; the state file changes only after HAProxy accepted the change."""
     if action not in ACTIONS:
         raise ShardstackError(f"unknown action {action!r}", hint=f"one of {', '.join(ACTIONS)}")
-    roles = roles_of(node, groups)
-    state = load(inventory)
+    roles = roles_of(node, cluster.groups)
+    state = load(cluster)
     outcome = Outcome(node, action, roles)
     if "inference" in roles:
-        lbs = groups.get("loadbalancer", [])
+        lbs = cluster.hosts("loadbalancer")
         if not lbs:
             outcome.notes.append("no loadbalancer hosts in the inventory: nothing to drain in HAProxy")
         else:
             command = haproxy_command(backend, node, action)
-            answers = run_command(socket_argv(command, socket), inventory, ",".join(lbs), timeout=60)
+            answers = run_command(socket_argv(command, socket), cluster.path, ",".join(lbs), timeout=60)
             check_haproxy_answers(answers, lbs, command)
             outcome.load_balancers = lbs
     if "train" in roles:
@@ -215,8 +216,8 @@ def apply(node: str, action: str, inventory: Path, groups: dict[str, list[str]],
         else:
             outcome.notes.append("train node: left out of jobs submitted from now on")
         if action == "drain":
-            _stop_jobs(node, inventory, outcome)
-    written = run_command(metric_argv(action, textfile_dir), inventory, node, timeout=60).get(node)
+            _stop_jobs(node, cluster.path, outcome)
+    written = run_command(metric_argv(action, textfile_dir), cluster.path, node, timeout=60).get(node)
     outcome.metric_written = bool(written and written.success)
     if not outcome.metric_written:
         why = (written.message or written.stderr or f"rc={written.rc}").strip() if written else "no answer"
@@ -226,5 +227,5 @@ def apply(node: str, action: str, inventory: Path, groups: dict[str, list[str]],
         state.pop(node, None)
     else:
         state[node] = {"action": action, "roles": roles, "since": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}
-    outcome.state_file = str(save(inventory, state))
+    outcome.state_file = str(save(cluster, state))
     return outcome

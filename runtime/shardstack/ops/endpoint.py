@@ -14,64 +14,45 @@ from pathlib import Path
 from typing import Any
 
 from shardstack.errors import ShardstackError
-from shardstack.ops.cluster import (
-    address,
-    controller_path,
-    first_hostvars,
-    group,
-    inventory_hosts,
-    role_default,
-    setting,
-)
+from shardstack.ops.inventory import Cluster
+from shardstack.ops.roles import role_default
 
 
-def _token(inv: dict[str, Any], inventory: Path) -> str | None:
-    hostvars = first_hostvars(inv, "inference_nodes")
-    if hostvars.get("inference_service_token"):
-        return str(hostvars["inference_service_token"])
-    name = "inference_service_token_store"
-    path = controller_path(inventory, name, str(hostvars.get(name) or role_default("inference_service", name)))
-    return path.read_text().strip() if path.is_file() else None
-
-
-def load_token(inventory: Path) -> str | None:
+def load_token(cluster: Cluster) -> str | None:
     """The bearer token the inference nodes expect, found as the inference_service role finds it: the inventory's
     `inference_service_token`, else the file at `inference_service_token_store` (the inventory's value, else the
     role's default), where the role keeps the token it generated. None when there is none yet."""
-    return _token(inventory_hosts(inventory), inventory)
+    hostvars = cluster.first_hostvars("inference_nodes")
+    if hostvars.get("inference_service_token"):
+        return str(hostvars["inference_service_token"])
+    name = "inference_service_token_store"
+    path = cluster.controller_path(name, str(hostvars.get(name) or role_default("inference_service", name)))
+    return path.read_text().strip() if path.is_file() else None
 
 
 # The cluster CA's certificate in loadbalancer_tls_store (the loadbalancer role's vars/main.yml names it too).
 CLUSTER_CA = "cluster-ca.crt.txt"
 
 
-def _cluster_ca(inv: dict[str, Any], inventory: Path) -> Path:
-    hostvars = first_hostvars(inv, "loadbalancer")
+def load_cluster_ca(cluster: Cluster) -> Path:
+    """The cluster CA's certificate on the controller (in `loadbalancer_tls_store`): what the inference backends'
+    certificates, and the load balancer's unless the inventory brings its own, are verified with."""
+    hostvars = cluster.first_hostvars("loadbalancer")
     name = "loadbalancer_tls_store"
-    store = controller_path(inventory, name, str(hostvars.get(name) or role_default("loadbalancer", name)))
+    store = cluster.controller_path(name, str(hostvars.get(name) or role_default("loadbalancer", name)))
     return store / CLUSTER_CA
 
 
-def _ca(inv: dict[str, Any], inventory: Path) -> Path | None:
-    hostvars = first_hostvars(inv, "loadbalancer")
-    if hostvars.get("loadbalancer_tls_ca"):
-        return controller_path(inventory, "loadbalancer_tls_ca", str(hostvars["loadbalancer_tls_ca"]))
-    if hostvars.get("loadbalancer_tls_cert"):
-        return None  # the inventory's own certificate and no CA named for it: a publicly trusted one
-    return _cluster_ca(inv, inventory)
-
-
-def load_cluster_ca(inventory: Path) -> Path:
-    """The cluster CA's certificate on the controller (in `loadbalancer_tls_store`): what the inference backends'
-    certificates, and the load balancer's unless the inventory brings its own, are verified with."""
-    return _cluster_ca(inventory_hosts(inventory), inventory)
-
-
-def load_ca(inventory: Path) -> Path | None:
+def load_ca(cluster: Cluster) -> Path | None:
     """The CA certificate clients verify the load balancer with, found as the loadbalancer role finds it: the
     inventory's `loadbalancer_tls_ca`, else the cluster CA in `loadbalancer_tls_store` when the role issues the
     certificate; None (the system's trust store) for a certificate of the inventory's own without a CA named."""
-    return _ca(inventory_hosts(inventory), inventory)
+    hostvars = cluster.first_hostvars("loadbalancer")
+    if hostvars.get("loadbalancer_tls_ca"):
+        return cluster.controller_path("loadbalancer_tls_ca", str(hostvars["loadbalancer_tls_ca"]))
+    if hostvars.get("loadbalancer_tls_cert"):
+        return None  # the inventory's own certificate and no CA named for it: a publicly trusted one
+    return load_cluster_ca(cluster)
 
 
 @dataclass(frozen=True)
@@ -122,15 +103,14 @@ class Endpoint:
         return ShardstackError(f"TLS: handshake with {self.url} failed: {err.reason or err}")
 
 
-def endpoint(inventory: Path) -> Endpoint:
+def endpoint(cluster: Cluster) -> Endpoint:
     """The load balancer's https URL (its inventory address, which the issued certificate names), the token and the
-    CA certificate, from one read of the inventory."""
-    inv = inventory_hosts(inventory)
-    port = int(setting(inv, "loadbalancer_tls_port", "loadbalancer", "loadbalancer"))
-    host = address(inv, group(inv, "loadbalancer")[0])
+    CA certificate."""
+    port = int(cluster.setting("loadbalancer_tls_port", "loadbalancer", "loadbalancer"))
+    host = cluster.address(cluster.group("loadbalancer")[0])
     host = f"[{host}]" if ":" in host else host
     url = f"https://{host}" if port == 443 else f"https://{host}:{port}"
-    return Endpoint(url, _token(inv, inventory), _ca(inv, inventory))
+    return Endpoint(url, load_token(cluster), load_ca(cluster))
 
 
 @dataclass

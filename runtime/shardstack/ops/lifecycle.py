@@ -4,21 +4,19 @@
 from __future__ import annotations
 
 from collections.abc import Callable
-from pathlib import Path
 
 from shardstack.errors import ShardstackError
 from shardstack.node.artifacts import Item, Plan
+from shardstack.ops.inventory import Cluster
 from shardstack.ops.runner import RunnerEvent, RunResult, run_playbook
 
 
-def prune(inventory: Path, *, keep_exports: int = 3, older_than_days: float = 7.0,
+def prune(cluster: Cluster, *, keep_exports: int = 3, older_than_days: float = 7.0,
           dry_run: bool = True, on_event: Callable[[RunnerEvent], None] | None = None) -> tuple[Plan, RunResult]:
     if keep_exports < 0 or older_than_days < 0:
         raise ShardstackError("--keep-exports and --older-than must not be negative")
-    from shardstack.ops.cluster import inventory_hosts, shared_dir
-
-    res = run_playbook("playbooks/artifacts_prune.yml", inventory, extravars={
-        "artifacts_shared_dir": shared_dir(inventory_hosts(inventory)), "artifacts_keep_exports": keep_exports,
+    res = run_playbook("playbooks/artifacts_prune.yml", cluster.path, extravars={
+        "artifacts_shared_dir": cluster.shared_dir, "artifacts_keep_exports": keep_exports,
         "artifacts_older_than_days": older_than_days, "artifacts_dry_run": dry_run}, on_event=on_event)
     report = res.data.get("artifacts_prune")
     if not isinstance(report, dict):

@@ -22,6 +22,7 @@ from pathlib import Path
 from typing import Any
 
 from shardstack.errors import ShardstackError
+from shardstack.ops.inventory import Cluster
 from shardstack.ops.jobs.common import check_job_name
 from shardstack.ops.jobs.common import unit as job_unit
 from shardstack.ops.runner import run_command
@@ -151,8 +152,8 @@ def parse_output(stdout: str) -> list[LogEntry]:
     return out
 
 
-# The collector as a host pattern: the ad-hoc run resolves it itself, which saves an inventory listing (seconds of
-# ansible-runner start-up) on every query.
+# The collector as a host pattern: the ad-hoc run resolves it itself, so a query never reads the Cluster's listing
+# (seconds of ansible-runner start-up).
 COLLECTOR = f"{COLLECTOR_GROUP}[0]"
 
 
@@ -179,18 +180,19 @@ def _query(argv: list[str], inventory: Path, host: str, node: str | None = None)
     return entries
 
 
-def query(q: LogQuery, inventory: Path, *, host: str | None = None) -> list[LogEntry]:
+def query(q: LogQuery, cluster: Cluster, *, host: str | None = None) -> list[LogEntry]:
     """The newest `q.lines` entries that match, oldest first."""
     q.check()
-    return _query(journalctl_argv(q), inventory, host or COLLECTOR, q.host)
+    return _query(journalctl_argv(q), cluster.path, host or COLLECTOR, q.host)
 
 
-def follow(q: LogQuery, inventory: Path, *, poll: float = 2.0, host: str | None = None,
+def follow(q: LogQuery, cluster: Cluster, *, poll: float = 2.0, host: str | None = None,
            stop: Callable[[], bool] | None = None) -> Iterator[LogEntry]:
     """The newest entries, then every new one as it arrives: ansible-runner cannot stream a command's output, so
     this asks again after the last cursor every `poll` seconds (each ask costs an ansible-runner start)."""
     q.check()
     host = host or COLLECTOR
+    inventory = cluster.path
     cursor = None
     while True:
         entries = _query(journalctl_argv(q, cursor), inventory, host, q.host)

@@ -11,7 +11,7 @@ from pathlib import Path
 from typing import Any
 
 from shardstack.build.variables import PRODUCTION, ProductionVar, load_roles, spec_defaults
-from shardstack.ops.cluster import inventory_hosts
+from shardstack.ops.inventory import Cluster
 
 MAX_HOSTS_SHOWN = 5
 
@@ -45,22 +45,22 @@ def _applies(var: ProductionVar, hostvars: dict[str, Any], defaults: dict[str, A
     return str(hostvars.get(name, defaults.get(name))).lower() in values
 
 
-def unset_in(inv: dict[str, Any], defaults: dict[str, Any]) -> list[UnsetVariable]:
-    """The production variables unset on some host of their group, from inventory_hosts()'s view of an inventory
-    and the roles' defaults (which decide the `only_if` conditions the inventory leaves alone)."""
+def unset_in(cluster: Cluster, defaults: dict[str, Any]) -> list[UnsetVariable]:
+    """The production variables unset on some host of their group, from the inventory as Ansible reads it and the
+    roles' defaults (which decide the `only_if` conditions the inventory leaves alone)."""
     found = []
     for var in PRODUCTION:
-        group = inv["groups"].get(var.group) or []
-        unset = sorted(h for h in group if _applies(var, inv["hostvars"].get(h, {}), defaults)
-                       and var.name not in inv["hostvars"].get(h, {}))
+        group = cluster.hosts(var.group)
+        unset = sorted(h for h in group if _applies(var, cluster.hostvars.get(h, {}), defaults)
+                       and var.name not in cluster.hostvars.get(h, {}))
         if unset:
             found.append(UnsetVariable(var.name, var.role, var.group, unset, len(group), var.reason))
     return found
 
 
-def unset_production_variables(inventory: Path, roles: Path | None = None) -> list[UnsetVariable]:
-    """The production variables the inventory leaves unset, read as Ansible reads it (`ansible-inventory --list`)."""
-    return unset_in(inventory_hosts(inventory), spec_defaults(load_roles(roles)))
+def unset_production_variables(cluster: Cluster, roles: Path | None = None) -> list[UnsetVariable]:
+    """The production variables the inventory leaves unset."""
+    return unset_in(cluster, spec_defaults(load_roles(roles)))
 
 
 def warning_lines(unset: list[UnsetVariable]) -> list[str]:

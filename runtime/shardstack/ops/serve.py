@@ -7,19 +7,19 @@ from __future__ import annotations
 import json
 import re
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
 
 from shardstack.errors import ShardstackError
-from shardstack.ops import cluster, storage
+from shardstack.ops import storage
+from shardstack.ops.inventory import Cluster
 from shardstack.ops.runner import RunResult, run_command, run_playbook
 
 _JOB_REF = re.compile(r"^([a-z0-9][a-z0-9_-]{0,62})(?:@(\d{1,8}))?$")  # a job name as `train submit` takes it
 
 
-def rollout(inventory: Path, *, limit: str | None = None, extravars: dict[str, Any] | None = None,
+def rollout(cluster: Cluster, *, limit: str | None = None, extravars: dict[str, Any] | None = None,
             on_event=None) -> RunResult:
-    return run_playbook("playbooks/rolling_upgrade.yml", inventory, limit=limit, extravars=extravars,
+    return run_playbook("playbooks/rolling_upgrade.yml", cluster.path, limit=limit, extravars=extravars,
                         on_event=on_event)
 
 
@@ -52,16 +52,15 @@ class JobCheckpoints:
     signed: bool
 
 
-def job_checkpoints(inventory: Path, job: str) -> JobCheckpoints:
+def job_checkpoints(cluster: Cluster, job: str) -> JobCheckpoints:
     """The job's checkpoint.dir and signing settings as the train nodes have them (<jobs_dir>/<job>.yaml, written by
     `train submit`): the checkpoints are wherever its config put them."""
     import yaml
 
-    inv = cluster.inventory_hosts(inventory)
-    head = cluster.group(inv, "train_nodes")[0]
-    jobs_dir = cluster.setting(inv, "training_runtime_jobs_dir", "training_runtime", "train_nodes")
+    head = cluster.group("train_nodes")[0]
+    jobs_dir = cluster.setting("training_runtime_jobs_dir", "training_runtime", "train_nodes")
     path = f"{jobs_dir}/{job}.yaml"
-    r = run_command(["cat", "--", path], inventory, head).get(head)
+    r = run_command(["cat", "--", path], cluster.path, head).get(head)
     if r is None or not r.success:
         raise ShardstackError(f"no job {job} on {head}: cannot read {path}",
                               hint="shardstack train submit names the job; `train status JOB` shows it")
@@ -75,11 +74,11 @@ def job_checkpoints(inventory: Path, job: str) -> JobCheckpoints:
                           bool(ck.get("require_signature", True)))
 
 
-def newest_valid_step(inventory: Path, where: JobCheckpoints, user: str, venv: str) -> int:
+def newest_valid_step(cluster: Cluster, where: JobCheckpoints, user: str, venv: str) -> int:
     """The newest checkpoint `shardstack checkpoint ls` finds valid (sizes and signature; export checks sha256)."""
     argv = ["runuser", "-u", user, "--", f"{venv}/bin/shardstack", "checkpoint", "ls", where.root, "--json",
             *(["--key-file", where.key_file] if where.signed else ["--allow-unsigned"])]
-    r = run_command(argv, inventory, where.host).get(where.host)
+    r = run_command(argv, cluster.path, where.host).get(where.host)
     if r is None or not r.success:
         detail = ((r.stderr or r.message or "") if r else "no result").strip().splitlines()
         raise ShardstackError(f"checkpoint ls {where.root} on {where.host} failed: {detail[-1] if detail else ''}")
@@ -107,19 +106,18 @@ class Published:
                 "rollout": self.rollout.to_dict() if self.rollout else None}
 
 
-def publish(inventory: Path, ref: str, *, rollout_after: bool = True, on_event=None) -> Published:
+def publish(cluster: Cluster, ref: str, *, rollout_after: bool = True, on_event=None) -> Published:
     """Export JOB's checkpoint at STEP (or its newest valid one) on the first train node as the job account, signed
     with the node's key, to <shared>/exports/<job>-step_<N>; point exports/current at it; roll the inference nodes
     out unless told not to."""
     job, step = parse_job_ref(ref)
-    where = job_checkpoints(inventory, job)
-    inv = cluster.inventory_hosts(inventory)
-    venv = str(cluster.setting(inv, "training_runtime_venv", "training_runtime", "train_nodes"))
+    where = job_checkpoints(cluster, job)
+    venv = str(cluster.setting("training_runtime_venv", "training_runtime", "train_nodes"))
     if step is None:
-        step = newest_valid_step(inventory, where, cluster.job_account(inv), venv)
-    exp = storage.export_current(inventory, step_dir(where.root, step), export_name(job, step),
+        step = newest_valid_step(cluster, where, cluster.job_account, venv)
+    exp = storage.export_current(cluster, step_dir(where.root, step), export_name(job, step),
                                  key_file=where.key_file, allow_unsigned=not where.signed)
     out = Published(job, exp.step if exp.step is not None else step, exp)
     if rollout_after:
-        out.rollout = rollout(inventory, on_event=on_event)
+        out.rollout = rollout(cluster, on_event=on_event)
     return out

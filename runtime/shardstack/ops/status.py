@@ -16,7 +16,7 @@ from dataclasses import asdict, dataclass, field
 from typing import Any
 
 from shardstack.errors import ShardstackError
-from shardstack.ops import cluster
+from shardstack.ops.inventory import Cluster
 
 NODE_GROUPS = ("train_nodes", "inference_nodes", "loadbalancer", "monitoring_server", "storage_server")
 TRAIN_METRICS = {"step": "shardstack_train_step", "loss": "shardstack_train_loss",
@@ -56,16 +56,15 @@ class Status:
         return {**asdict(self), "problems": self.problems()}
 
 
-def sources(inv: dict[str, Any]) -> tuple[str | None, str | None]:
+def sources(cluster: Cluster) -> tuple[str | None, str | None]:
     """Prometheus on the first monitoring_server and HAProxy's /metrics on the first loadbalancer, as URLs."""
-    groups = inv["groups"]
     prometheus = haproxy = None
-    if groups.get("monitoring_server"):
-        port = cluster.setting(inv, "prometheus_port", "prometheus", "monitoring_server")
-        prometheus = f"http://{cluster.address(inv, groups['monitoring_server'][0])}:{port}"
-    if groups.get("loadbalancer"):
-        port = cluster.setting(inv, "loadbalancer_metrics_port", "loadbalancer", "loadbalancer")
-        haproxy = f"http://{cluster.address(inv, groups['loadbalancer'][0])}:{port}/metrics"
+    if monitoring := cluster.hosts("monitoring_server"):
+        port = cluster.setting("prometheus_port", "prometheus", "monitoring_server")
+        prometheus = f"http://{cluster.address(monitoring[0])}:{port}"
+    if lbs := cluster.hosts("loadbalancer"):
+        port = cluster.setting("loadbalancer_metrics_port", "loadbalancer", "loadbalancer")
+        haproxy = f"http://{cluster.address(lbs[0])}:{port}/metrics"
     return prometheus, haproxy
 
 

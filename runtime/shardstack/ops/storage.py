@@ -12,7 +12,7 @@ from pathlib import Path
 from typing import Any
 
 from shardstack.errors import ShardstackError
-from shardstack.ops.cluster import group, inventory_hosts, job_account, setting, shared_dir
+from shardstack.ops.inventory import Cluster
 from shardstack.ops.runner import run_command, run_module
 
 
@@ -38,7 +38,7 @@ def export_argv(venv: str, checkpoint: str, out: str, *, key_file: str | None = 
     return argv
 
 
-def export_current(inventory: Path, checkpoint_dir: str, name: str, *, key_file: str | None = None,
+def export_current(cluster: Cluster, checkpoint_dir: str, name: str, *, key_file: str | None = None,
                    allow_unsigned: bool = False) -> ClusterExport:
     """Export a checkpoint (a step directory, or a checkpoint root: its newest valid checkpoint) to
     <shared>/exports/<name> on the first train node, as the job account with the node's signing key, and point
@@ -47,16 +47,15 @@ def export_current(inventory: Path, checkpoint_dir: str, name: str, *, key_file:
     The switch is a symlink rename, so an inference node (re)starting at any moment sees either the old or the
     new model, never half of one.
     """
-    inv = inventory_hosts(inventory)
-    head = group(inv, "train_nodes")[0]
-    venv = setting(inv, "training_runtime_venv", "training_runtime", "train_nodes")
-    models = f"{shared_dir(inv)}/exports"
+    head = cluster.group("train_nodes")[0]
+    venv = cluster.setting("training_runtime_venv", "training_runtime", "train_nodes")
+    models = f"{cluster.shared_dir}/exports"
     out = f"{models}/{name}"
     script = " && ".join(shlex.join(c) for c in (
         export_argv(venv, checkpoint_dir, out, key_file=key_file, allow_unsigned=allow_unsigned),
         ["ln", "-sfn", "--no-target-directory", name, f"{models}/.current.tmp"],
         ["mv", "-T", f"{models}/.current.tmp", f"{models}/current"]))
-    res = run_command(["runuser", "-u", job_account(inv), "--", "sh", "-c", script], inventory, head)[head]
+    res = run_command(["runuser", "-u", cluster.job_account, "--", "sh", "-c", script], cluster.path, head)[head]
     if not res.success:
         raise ShardstackError(f"export on {head} failed: {(res.stderr or res.stdout or res.message or '')[-800:]}")
     output = (res.stdout + res.stderr).strip()
@@ -76,16 +75,16 @@ def check_name(name: str, what: str = "name") -> str:
     return name
 
 
-def _copy(inventory: Path, inv: dict[str, Any], src: Path, dest: str, *, become: bool) -> str:
+def _copy(cluster: Cluster, src: Path, dest: str, *, become: bool) -> str:
     """Copy a file or directory of this machine into the directory `dest` on the first train node (shared storage,
     so every node sees it), as the job account (`become`): it owns what jobs read and write there, and root would be
     squashed to nobody on the NFS export (root_squash). The copy module compares checksums: unchanged files are not
     sent again."""
-    head = group(inv, "train_nodes")[0]
+    head = cluster.group("train_nodes")[0]
     args = {"src": f"{src}/" if src.is_dir() else str(src), "dest": f"{dest}/", "mode": "u=rwX,go=rX",
             "directory_mode": "0755"}
-    res = run_module("ansible.builtin.copy", args, inventory, head, become=become,
-                     become_user=job_account(inv) if become else None)
+    res = run_module("ansible.builtin.copy", args, cluster.path, head, become=become,
+                     become_user=cluster.job_account if become else None)
     if head not in res or not res[head].success:
         msg = res[head].message if head in res else "no result"
         raise ShardstackError(f"copying {src} to {head}:{dest} failed: {msg}",
@@ -93,13 +92,12 @@ def _copy(inventory: Path, inv: dict[str, Any], src: Path, dest: str, *, become:
     return head
 
 
-def place_model(inventory: Path, local_dir: Path, *, name: str | None = None, become: bool = True) -> str:
+def place_model(cluster: Cluster, local_dir: Path, *, name: str | None = None, become: bool = True) -> str:
     """Copy a model directory of this machine (e.g. the cached pretrained model) to <shared>/pretrained/<name> (its
     own name by default) through the first train node, where every node sees it; returns that path. Unchanged files
     are not copied again (the copy module compares checksums)."""
-    inv = inventory_hosts(inventory)
-    dest = f"{shared_dir(inv)}/pretrained/{check_name(name or local_dir.name, 'model name')}"
-    _copy(inventory, inv, local_dir, dest, become=become)
+    dest = f"{cluster.shared_dir}/pretrained/{check_name(name or local_dir.name, 'model name')}"
+    _copy(cluster, local_dir, dest, become=become)
     return dest
 
 
@@ -151,10 +149,10 @@ def compare_checksums(local: dict[str, str], remote: dict[str, str], where: str)
     return sorted(set(remote) - set(local))
 
 
-def verify_copy(inventory: Path, head: str, src: Path, dest: str) -> Verified:
+def verify_copy(cluster: Cluster, head: str, src: Path, dest: str) -> Verified:
     """sha256 of every file of `src` here against the copy at `dest` on `head`, in one command on the node."""
     local = local_checksums(src)
-    res = run_command(checksum_argv(dest), inventory, head)
+    res = run_command(checksum_argv(dest), cluster.path, head)
     if head not in res or not res[head].success:
         r = res.get(head)
         raise ShardstackError(f"cannot read the checksums of {head}:{dest}: "
@@ -164,29 +162,27 @@ def verify_copy(inventory: Path, head: str, src: Path, dest: str) -> Verified:
     return Verified(dest, len(local), size, extra)
 
 
-def put_model(inventory: Path, local_dir: Path, name: str | None = None) -> Verified:
+def put_model(cluster: Cluster, local_dir: Path, name: str | None = None) -> Verified:
     """`shardstack model put`: a Hugging Face model directory here → <shared>/pretrained/<name>, verified."""
     if not (local_dir / "config.json").is_file():
         raise ShardstackError(f"{local_dir} is not a model directory (no config.json)",
                               hint="pass a Hugging Face model directory (config.json, weights, tokenizer)")
-    inv = inventory_hosts(inventory)
-    dest = f"{shared_dir(inv)}/pretrained/{check_name(name or local_dir.resolve().name, 'model name')}"
-    head = _copy(inventory, inv, local_dir, dest, become=True)
-    return verify_copy(inventory, head, local_dir, dest)
+    dest = f"{cluster.shared_dir}/pretrained/{check_name(name or local_dir.resolve().name, 'model name')}"
+    head = _copy(cluster, local_dir, dest, become=True)
+    return verify_copy(cluster, head, local_dir, dest)
 
 
-def put_data(inventory: Path, src: Path, name: str | None = None) -> Verified:
+def put_data(cluster: Cluster, src: Path, name: str | None = None) -> Verified:
     """`shardstack data put`: a corpus (a text file, a directory of them) or prepared token shards here →
     <shared>/data/<name>, verified."""
     if not src.exists():
         raise ShardstackError(f"{src} does not exist")
     if src.is_dir() and not any(p.is_file() for p in src.rglob("*")):
         raise ShardstackError(f"{src} holds no files")
-    inv = inventory_hosts(inventory)
     default = src.resolve().name if src.is_dir() else src.stem
-    dest = f"{shared_dir(inv)}/data/{check_name(name or default, 'data name')}"
-    head = _copy(inventory, inv, src, dest, become=True)
-    return verify_copy(inventory, head, src, dest)
+    dest = f"{cluster.shared_dir}/data/{check_name(name or default, 'data name')}"
+    head = _copy(cluster, src, dest, become=True)
+    return verify_copy(cluster, head, src, dest)
 
 
 def on_shared(path: str, shared: str) -> bool:
@@ -217,14 +213,13 @@ class ClusterPrepare:
     copied: Verified | None = None  # the local input, put on shared storage first
 
 
-def prepare_on_cluster(inventory: Path, source: str, out_name: str, *, tokenizer: str = "bytes",
+def prepare_on_cluster(cluster: Cluster, source: str, out_name: str, *, tokenizer: str = "bytes",
                        workers: int | None = None) -> ClusterPrepare:
     """`shardstack data prepare --cluster`: tokenise a corpus into <shared>/data/<out_name> on the first train node.
     The input is a path under the shared directory, or a file or directory here, put first to
     <shared>/data/<out_name>-text (verified). The tokenizer is `bytes` or a directory the node sees."""
     check_name(out_name, "--out-name")
-    inv = inventory_hosts(inventory)
-    shared = shared_dir(inv)
+    shared = cluster.shared_dir
     if tokenizer != "bytes" and not on_shared(tokenizer, shared):
         raise ShardstackError(f"--tokenizer {tokenizer} is not under the shared directory {shared}",
                               hint="put the model first (shardstack model put DIR) and pass its path on the "
@@ -233,15 +228,15 @@ def prepare_on_cluster(inventory: Path, source: str, out_name: str, *, tokenizer
     if on_shared(source, shared):
         where = source
     elif Path(source).exists():
-        copied = put_data(inventory, Path(source), f"{out_name}-text")
+        copied = put_data(cluster, Path(source), f"{out_name}-text")
         where = copied.path if Path(source).is_dir() else f"{copied.path}/{Path(source).name}"
     else:
         raise ShardstackError(f"input {source} is neither a file here nor a path under the shared directory {shared}")
-    head = group(inv, "train_nodes")[0]
-    venv = str(setting(inv, "training_runtime_venv", "training_runtime", "train_nodes"))
+    head = cluster.group("train_nodes")[0]
+    venv = str(cluster.setting("training_runtime_venv", "training_runtime", "train_nodes"))
     out = f"{shared}/data/{out_name}"
-    argv = prepare_argv(venv, job_account(inv), where, out, tokenizer=tokenizer, workers=workers)
-    res = run_command(argv, inventory, head)
+    argv = prepare_argv(venv, cluster.job_account, where, out, tokenizer=tokenizer, workers=workers)
+    res = run_command(argv, cluster.path, head)
     r = res.get(head)
     if r is None or not r.success:
         detail = ((r.stderr or r.stdout or r.message or "") if r else "no result").strip().splitlines()

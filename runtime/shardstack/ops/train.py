@@ -12,26 +12,19 @@ from __future__ import annotations
 
 import re
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 from shardstack.errors import ShardstackError
-from shardstack.ops import cluster, cordon, storage
+from shardstack.ops import cordon, storage
+from shardstack.ops.inventory import Cluster
 from shardstack.ops.jobs import slurm, systemd
 from shardstack.ops.jobs.common import TRAIN_GROUP, JobStatus, check_job_name
 from shardstack.ops.runner import RunResult, run_command, run_playbook
 
 SLURM_NAME = re.compile(r"^[A-Za-z0-9_][A-Za-z0-9_.-]{0,63}$")
 SLURM_TIME = re.compile(r"^(\d+-)?\d+(:\d\d){0,2}$")
-
-
-def scheduler(inventory: Path) -> str:
-    """Who runs training jobs on this cluster: the inventory's shardstack_scheduler (systemd or slurm)."""
-    value = cluster.setting(cluster.inventory_hosts(inventory), "shardstack_scheduler", "shardstack_common",
-                            TRAIN_GROUP)
-    if value not in ("systemd", "slurm"):
-        raise ShardstackError(f"shardstack_scheduler is {value!r}", hint="set systemd or slurm in group_vars")
-    return str(value)
 
 
 def load_job(path: Path) -> dict[str, Any]:
@@ -53,11 +46,10 @@ def shared_paths(config: dict[str, Any]) -> list[tuple[str, str]]:
     return [(k, str(v)) for k, v in found if v is not None]
 
 
-def job_shared_dir(inv: dict[str, Any]) -> str:
+def job_shared_dir(cluster: Cluster) -> str:
     """Where jobs read data and write checkpoints: training_runtime_shared_dir when the inventory sets it (a cluster
     may keep its jobs in a directory of their own on the shared storage), else the shared directory itself."""
-    hostvars = cluster.inventory_vars(inv, TRAIN_GROUP)
-    return str(hostvars.get("training_runtime_shared_dir") or cluster.shared_dir(inv))
+    return str(cluster.first_hostvars(TRAIN_GROUP).get("training_runtime_shared_dir") or cluster.shared_dir)
 
 
 def check_shared_paths(config: dict[str, Any], shared: str) -> None:
@@ -74,7 +66,7 @@ def missing_argv(paths: list[str]) -> list[str]:
     return ["sh", "-c", 'for p in "$@"; do [ -e "$p" ] || printf "%s\\n" "$p"; done', "sh", *paths]
 
 
-def check_inputs(config: dict[str, Any], inventory: Path, host: str) -> None:
+def check_inputs(config: dict[str, Any], cluster: Cluster, host: str) -> None:
     """The prepared data set (data.path/meta.json) and init_from's config.json exist on the cluster: the job's task
     would otherwise tokenise the shipped demo corpus into data.path without a word."""
     data = (config.get("data") or {}).get("path")
@@ -83,7 +75,7 @@ def check_inputs(config: dict[str, Any], inventory: Path, host: str) -> None:
     wanted = {p: k for p, k in wanted.items() if not p.startswith("None/")}
     if not wanted:
         return
-    r = run_command(missing_argv(list(wanted)), inventory, host).get(host)
+    r = run_command(missing_argv(list(wanted)), cluster.path, host).get(host)
     if r is None or not r.success:
         raise ShardstackError(f"cannot check the job's inputs on {host}: "
                               f"{((r.stderr or r.message) if r else 'no result') or ''}".strip())
@@ -98,7 +90,7 @@ def check_inputs(config: dict[str, Any], inventory: Path, host: str) -> None:
                                   "config.json)", hint="put it there: shardstack model put DIR")
 
 
-def submit(config: dict[str, Any], name: str, inventory: Path, *, nodes: int | None = None,
+def submit(config: dict[str, Any], name: str, cluster: Cluster, *, nodes: int | None = None,
            account: str | None = None, qos: str | None = None, time_limit: str | None = None,
            allow_config_change: bool = False, prepare_demo_data: bool = False, on_event=None) -> RunResult:
     """Start the job (systemd) or queue it (Slurm: `account`, `qos` and `time_limit` go to sbatch). The config sent
@@ -116,7 +108,7 @@ def submit(config: dict[str, Any], name: str, inventory: Path, *, nodes: int | N
         config["checkpoint"] = {**(config.get("checkpoint") or {}), "allow_config_change": True}
     slurm_opts = {"account": account, "qos": qos, "time": time_limit}
     given = {k: v for k, v in slurm_opts.items() if v is not None}
-    if given and scheduler(inventory) != "slurm":
+    if given and cluster.scheduler != "slurm":
         raise ShardstackError(f"--{'/--'.join(given)} need Slurm; this cluster's shardstack_scheduler is systemd",
                               hint="submit without them, or deploy Slurm (docs/operations.md, \"Slurm\")")
     for key, value in given.items():
@@ -124,14 +116,13 @@ def submit(config: dict[str, Any], name: str, inventory: Path, *, nodes: int | N
             raise ShardstackError(f"--{key} {value!r} is not valid",
                                   hint="a time limit is [days-]hours[:minutes[:seconds]]" if key == "time"
                                   else "Slurm names are [A-Za-z0-9_.-]")
-    inv = cluster.inventory_hosts(inventory)
-    check_shared_paths(config, job_shared_dir(inv))
+    check_shared_paths(config, job_shared_dir(cluster))
     # Cordoned train nodes (`shardstack node cordon`) are left out; the playbook refuses if too few remain.
-    excluded = cordon.cordoned(inventory, "train")
+    excluded = cordon.cordoned(cluster, "train")
     if not prepare_demo_data:
-        usable = [h for h in cluster.group(inv, TRAIN_GROUP) if h not in excluded]
+        usable = [h for h in cluster.group(TRAIN_GROUP) if h not in excluded]
         if usable:  # none: the playbook's first play says so
-            check_inputs(config, inventory, usable[0])
+            check_inputs(config, cluster, usable[0])
     extravars: dict[str, Any] = {"train_job_name": name, "train_job_config": config}
     extravars.update({f"train_job_{k}": v for k, v in given.items()})
     if nodes:
@@ -140,40 +131,42 @@ def submit(config: dict[str, Any], name: str, inventory: Path, *, nodes: int | N
         extravars["train_job_exclude"] = excluded
     if prepare_demo_data:
         extravars["train_job_prepare_demo_data"] = True
-    return run_playbook("playbooks/train_submit.yml", inventory, extravars=extravars, on_event=on_event)
+    return run_playbook("playbooks/train_submit.yml", cluster.path, extravars=extravars, on_event=on_event)
 
 
-def status(name: str, inventory: Path, pattern: str = TRAIN_GROUP) -> JobStatus:
+def status(name: str, cluster: Cluster, pattern: str = TRAIN_GROUP) -> JobStatus:
     check_job_name(name)
-    if scheduler(inventory) == "slurm":
-        return slurm.status(name, cluster.job_account(cluster.inventory_hosts(inventory)), inventory)
-    return systemd.status(name, inventory, pattern)
+    if cluster.scheduler == "slurm":
+        return slurm.status(name, cluster.job_account, cluster.path)
+    return systemd.status(name, cluster.path, pattern)
 
 
-def stop(name: str, inventory: Path, pattern: str = TRAIN_GROUP) -> dict[str, bool]:
+def stop(name: str, cluster: Cluster, pattern: str = TRAIN_GROUP) -> dict[str, bool]:
     """Stop the job: `systemctl stop` of its unit on every train node, or `scancel` on the Slurm controller. Either
     sends SIGTERM first, on which the trainer saves a checkpoint at the step all ranks reach (TimeoutStopSec or
     Slurm's KillWait before SIGKILL)."""
     check_job_name(name)
-    if scheduler(inventory) == "slurm":
-        return slurm.stop(name, cluster.job_account(cluster.inventory_hosts(inventory)), inventory)
-    return systemd.stop(name, inventory, pattern)
+    if cluster.scheduler == "slurm":
+        return slurm.stop(name, cluster.job_account, cluster.path)
+    return systemd.stop(name, cluster.path, pattern)
 
 
-def logs(name: str, inventory: Path, lines: int = 50, pattern: str = TRAIN_GROUP) -> dict[str, str]:
+def logs(name: str, cluster: Cluster, lines: int = 50, pattern: str = TRAIN_GROUP) -> dict[str, str]:
     check_job_name(name)
-    which = systemd.log_selector(name) if scheduler(inventory) == "systemd" else slurm.log_selector(name)
-    res = run_command(["journalctl", *which, "-n", str(lines), "--no-pager", "-o", "short-iso"], inventory, pattern)
+    which = systemd.log_selector(name) if cluster.scheduler == "systemd" else slurm.log_selector(name)
+    res = run_command(["journalctl", *which, "-n", str(lines), "--no-pager", "-o", "short-iso"], cluster.path,
+                      pattern)
     return {h: r.stdout if r.success else f"({r.message or r.stderr})" for h, r in res.items()}
 
 
-def wait_job(name: str, inventory: Path, timeout: float, *, poll: float = 5.0, on_status=None) -> JobStatus:
+def wait_job(name: str, cluster: Cluster, timeout: float, *, poll: float = 5.0,
+             on_status: Callable[[JobStatus], None] | None = None) -> JobStatus:
     """Poll `train status` until the job has finished (or failed, or the timeout passed); a queued Slurm job is
-    waited for too."""
+    waited for too. The inventory is read once, not on every poll: `cluster` keeps what it read."""
     deadline = time.monotonic() + timeout
     seen_running = False
     while True:
-        st = status(name, inventory)
+        st = status(name, cluster)
         if on_status:
             on_status(st)
         seen_running |= st.state == "running"

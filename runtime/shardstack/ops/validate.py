@@ -5,10 +5,10 @@ makes before it starts, so validate fails exactly the nodes where training or se
 from __future__ import annotations
 
 from collections.abc import Callable
-from pathlib import Path
 from typing import Any
 
 from shardstack.accel import NodeFacts, gpu_problems
+from shardstack.ops.inventory import Cluster
 from shardstack.ops.runner import RunnerEvent, RunResult, run_playbook
 
 
@@ -63,9 +63,9 @@ def validate_findings(data: dict[str, Any]) -> list[str]:
     return bad
 
 
-def run_validate(inventory: Path, *, allreduce_mb: float = 16.0, limit: str | None = None,
+def run_validate(cluster: Cluster, *, allreduce_mb: float = 16.0, limit: str | None = None,
                  extravars: dict[str, Any] | None = None,
                  on_event: Callable[[RunnerEvent], None] | None = None) -> tuple[RunResult, list[str]]:
-    result = run_playbook("playbooks/validate.yml", inventory, limit=limit,
+    result = run_playbook("playbooks/validate.yml", cluster.path, limit=limit,
                           extravars={**(extravars or {}), "validate_allreduce_mb": allreduce_mb}, on_event=on_event)
     return result, validate_findings(result.data)
