@@ -1,6 +1,7 @@
 """The continuous-batching engine in-process: batched results equal one-at-a-time results, slots are reused,
 admission is bounded, cancellation frees a slot, a request that fails takes no neighbour down with it, prefill
-computes the head at the last position only, and no step prefills more than the budget (long prompts are chunked)."""
+computes the head at the last position only, no step prefills more than the budget (long prompts are chunked), and a
+loop that hangs has the heartbeat of the step it hung on."""
 
 from __future__ import annotations
 
@@ -15,7 +16,7 @@ import torch
 from shardstack.model.artifact import load_model
 from shardstack.model.kvcache import KVCache
 from shardstack.model.tokenizer import ByteTokenizer
-from shardstack.serve.engine import Engine
+from shardstack.serve.engine import FAILPOINT_HANG, Engine
 from shardstack.serve.request import Output, Sequence
 from shardstack.serve.runner import ModelRunner
 from shardstack.serve.sampling import SamplingParams
@@ -203,6 +204,24 @@ def test_heartbeat_advances_while_idle(engine: Engine) -> None:
     before = engine.heartbeat
     time.sleep(engine.idle_tick * 2.5)
     assert engine.heartbeat > before and engine.heartbeat_age() < engine.idle_tick * 2
+
+
+def test_a_loop_that_hangs_on_a_step_has_its_heartbeat_from_taking_that_step(model) -> None:
+    # The stall check (/health, the watchdog) measures from the last heartbeat: one from before the idle wait that
+    # the hanging request ended would make a hang look older than it is.
+    eng = Engine(model, tokenizer=BYTES, max_batch=1, max_queue=0, device="cpu", dtype=torch.float32,
+                 failpoint=FAILPOINT_HANG)
+    eng.start()
+    try:
+        time.sleep(eng.idle_tick * 1.5)  # idle: waiting inside the scheduler
+        submitted = time.monotonic()
+        eng.submit(Sequence(list(b"hang"), 4, STILL, [], Collector()))
+        deadline = time.monotonic() + 30
+        while eng.heartbeat_age() < eng.idle_tick * 3 and time.monotonic() < deadline:  # until it stops beating
+            time.sleep(0.01)
+        assert eng.heartbeat >= submitted
+    finally:
+        eng.stop()
 
 
 def test_half_precision_engine_generates(model_dir: Path) -> None:

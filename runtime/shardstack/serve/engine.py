@@ -130,8 +130,9 @@ class Engine:
         log.info("engine loop started: %d slots x %d tokens on %s, KV cache %.1f MiB", self.scheduler.max_batch,
                  self.context, self.device, self.runner.kv_cache_bytes() / 2**20)
         while True:
-            self.heartbeat, self.heartbeat_wall = time.monotonic(), time.time()
             step = self.scheduler.schedule(self.idle_tick)
+            # After the wait, not before: a loop that hangs on the step it just took has a heartbeat from then.
+            self.heartbeat, self.heartbeat_wall = time.monotonic(), time.time()
             if step is None:
                 if self.scheduler.closed:
                     return
