@@ -91,7 +91,7 @@ class ObserveResponses:
         try:
             await self.app(scope, receive, send_wrapper)
         finally:
-            seconds = (ended or time.monotonic()) - started
+            seconds = (ended if ended is not None else time.monotonic()) - started
             self.access.write(scope, status, sent, seconds * 1000, rid, extra)
             if scope["path"].startswith("/v1/"):
                 self._count(scope, status, seconds if ended is not None else None)
