@@ -1,20 +1,30 @@
 """The access log as structured journal fields: the real service, its journal sink pointed at a unix datagram
 socket this test binds (tests/journal_socket.py; journald's native socket is one too), requests that succeed,
 stream, fail auth, miss a route or are malformed; each is one datagram with the documented fields and none holds
-the token or a prompt."""
+the token or a prompt. In process: one observation of each response feeds both the access log and the metrics."""
 
 from __future__ import annotations
 
+import logging
+import re
 import socket
 import tempfile
 import time
-from collections.abc import Iterator
+from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
 
 import httpx
 import pytest
 from journal_socket import JournalSocket
-from shardstack.serve.accesslog import decode_entry, encode_entry, resolve_mode
+from shardstack.serve.accesslog import AccessLog, decode_entry, encode_entry, resolve_mode
+from shardstack.serve.app import ObserveResponses
+from shardstack.serve.metrics import ServeMetrics
+from starlette.applications import Starlette
+from starlette.middleware import Middleware
+from starlette.requests import Request
+from starlette.responses import Response, StreamingResponse
+from starlette.routing import Route
+from starlette.testclient import TestClient
 
 from .conftest import AUTH, JSON, TOKEN, Service, running_service
 
@@ -134,3 +144,44 @@ def test_bare_access_log_is_a_line_in_the_log_output(model_dir: Path, workdir: P
         [entry] = [x for x in svc.log().splitlines() if line in x]
         assert "shardstack.serve.access" in entry and f"id={r.headers['x-request-id']}" in entry
         assert "tokens=" in entry and TOKEN not in svc.log() and PROMPT not in svc.log()
+
+
+def test_one_observation_of_a_response_feeds_both_the_access_log_and_the_metrics(
+        caplog: pytest.LogCaptureFixture) -> None:
+    """In process: the same status, bytes and time to the last byte reach the access log and the metrics."""
+    metrics = ServeMetrics()
+
+    async def streamed(request: Request) -> Response:
+        async def body() -> AsyncIterator[bytes]:
+            yield b"ab"
+            yield b"cde"
+        return StreamingResponse(body())
+
+    async def status(request: Request) -> Response:
+        return Response(b"x", status_code=int(request.path_params["code"]))
+
+    async def health(request: Request) -> Response:
+        return Response(b"ok")
+
+    app = Starlette(routes=[Route("/v1/completions", streamed, methods=["POST"]), Route("/v1/s/{code}", status),
+                            Route("/health", health)],
+                    middleware=[Middleware(ObserveResponses, access=AccessLog("stdout"), metrics=metrics)])
+    with caplog.at_level(logging.INFO, logger="shardstack.serve.access"), TestClient(app) as client:
+        ok = client.post("/v1/completions", headers={"X-Shardstack-Client": "team-a"})
+        assert ok.content == b"abcde" and ok.headers["x-request-id"]
+        assert client.get("/v1/s/404").status_code == 404
+        assert client.get("/v1/s/499").status_code == 499
+        assert client.get("/health").status_code == 200
+    lines = [r.getMessage() for r in caplog.records]
+    assert len(lines) == 3, lines  # not the successful probe
+    m = re.search(r'"POST /v1/completions" 200 ([0-9.]+)ms 5B id=(\w+) key=team-a$', lines[0])
+    assert m is not None and m[2] == ok.headers["x-request-id"], lines[0]
+    sample = metrics.registry.get_sample_value
+    assert sample("shardstack_infer_requests_total", {"code": "200", "api_key": "team-a"}) == 1
+    assert sample("shardstack_infer_requests_total", {"code": "404", "api_key": "-"}) == 1
+    assert sample("shardstack_infer_requests_total", {"code": "499", "api_key": "-"}) is None  # nobody got it
+    assert sample("shardstack_infer_requests_total", {"code": "200", "api_key": "-"}) is None  # not /v1/*
+    assert sample("shardstack_infer_request_duration_seconds_count") == 1  # successful completions only
+    # One observation: the histogram holds exactly the duration the log line shows.
+    assert abs(sample("shardstack_infer_request_duration_seconds_sum") * 1000 - float(m[1])) < 0.06
+    assert '"GET /v1/s/404" 404' in lines[1] and '"GET /v1/s/499" 499' in lines[2]

@@ -1,6 +1,7 @@
 """The continuous-batching engine in-process: batched results equal one-at-a-time results, slots are reused,
 admission is bounded, cancellation frees a slot, a request that fails takes no neighbour down with it, prefill
-computes the head at the last position only, and no step prefills more than the budget (long prompts are chunked)."""
+computes the head at the last position only, no step prefills more than the budget (long prompts are chunked), and a
+loop that hangs has the heartbeat of the step it hung on."""
 
 from __future__ import annotations
 
@@ -15,9 +16,11 @@ import torch
 from shardstack.model.artifact import load_model
 from shardstack.model.kvcache import KVCache
 from shardstack.model.tokenizer import ByteTokenizer
+from shardstack.serve.engine import FAILPOINT_HANG, Engine
+from shardstack.serve.request import Output, Sequence
 from shardstack.serve.runner import ModelRunner
 from shardstack.serve.sampling import SamplingParams
-from shardstack.serve.scheduler import Output, QueueFull, Scheduler, Sequence
+from shardstack.serve.scheduler import QueueFull
 from shardstack.serve.text import eos_ids, model_tokenizer
 
 from .conftest import EOS_AT, EOS_PROMPT, greedy_ids
@@ -30,17 +33,17 @@ def model(model_dir: Path):
 
 
 @pytest.fixture
-def engine(model) -> Iterator[Scheduler]:
-    eng = Scheduler(model, tokenizer=BYTES, max_batch=4, max_queue=2, device="cpu", dtype=torch.float32)
+def engine(model) -> Iterator[Engine]:
+    eng = Engine(model, tokenizer=BYTES, max_batch=4, max_queue=2, device="cpu", dtype=torch.float32)
     eng.start()
     yield eng
     eng.stop()
 
 
 @pytest.fixture
-def wide_engine(model) -> Iterator[Scheduler]:
+def wide_engine(model) -> Iterator[Engine]:
     """Room for a whole test batch at once: 5 requests, 8 slots."""
-    eng = Scheduler(model, tokenizer=BYTES, max_batch=8, max_queue=0, device="cpu", dtype=torch.float32)
+    eng = Engine(model, tokenizer=BYTES, max_batch=8, max_queue=0, device="cpu", dtype=torch.float32)
     eng.start()
     yield eng
     eng.stop()
@@ -67,7 +70,7 @@ class Collector:
             self.done.set()
 
 
-def _wait_idle(engine: Scheduler, timeout: float = 60.0) -> None:  # a ceiling, for loaded hosts
+def _wait_idle(engine: Engine, timeout: float = 60.0) -> None:  # a ceiling, for loaded hosts
     deadline = time.monotonic() + timeout  # the loop retires finished requests right after their last step
     while engine.in_flight() and time.monotonic() < deadline:
         time.sleep(0.01)
@@ -78,7 +81,7 @@ PARAMS = [SamplingParams(temperature=0.0), SamplingParams(temperature=0.9, top_p
           SamplingParams(temperature=1.2, seed=11), SamplingParams(temperature=0.0)]
 
 
-def test_batched_generation_matches_one_at_a_time(engine: Scheduler) -> None:
+def test_batched_generation_matches_one_at_a_time(engine: Engine) -> None:
     alone = [engine.generate(list(p), 24, sp) for p, sp in zip(PROMPTS, PARAMS, strict=True)]
     steps_alone = engine.steps
     # All four at once, and arriving staggered so some join while others are mid-decode.
@@ -97,7 +100,7 @@ def test_batched_generation_matches_one_at_a_time(engine: Scheduler) -> None:
 STILL = SamplingParams(temperature=0.0)  # the request that checks the engine still serves
 
 
-def _batch_with(engine: Scheduler, bad: Sequence, bad_collector: Collector) -> None:
+def _batch_with(engine: Engine, bad: Sequence, bad_collector: Collector) -> None:
     """Run `bad` in one batch with the four PROMPTS (two streamed, two not): only `bad` fails, the others give
     exactly what they give alone, and the engine goes on serving."""
     alone = [engine.generate(list(p), 24, sp) for p, sp in zip(PROMPTS, PARAMS, strict=True)]
@@ -105,7 +108,7 @@ def _batch_with(engine: Scheduler, bad: Sequence, bad_collector: Collector) -> N
     seqs = [Sequence(list(p), 24, sp, [], c, stream=i % 2 == 0)
             for i, (p, sp, c) in enumerate(zip(PROMPTS, PARAMS, collectors, strict=True))]
     steps = engine.steps
-    with engine._cond:  # held while submitting, so the loop admits all five in one go and they share every step
+    with engine.scheduler._cond:  # held while submitting: the loop admits all five in one go, sharing every step
         for seq in [*seqs[:2], bad, *seqs[2:]]:
             engine.submit(seq)
     for c in [*collectors, bad_collector]:
@@ -119,7 +122,7 @@ def _batch_with(engine: Scheduler, bad: Sequence, bad_collector: Collector) -> N
     assert engine.generate(list(b"still serving"), 4, STILL)[1] == "length"
 
 
-def test_unusable_sampling_parameters_fail_one_request_not_its_batch(wide_engine: Scheduler) -> None:
+def test_unusable_sampling_parameters_fail_one_request_not_its_batch(wide_engine: Engine) -> None:
     # top_p=1e-300 is positive in float64 and 0 in float32: on main, sampling raised and all 5 requests failed.
     # The HTTP schema refuses it; the engine must contain it anyway (library callers bypass the schema).
     c = Collector()
@@ -127,7 +130,7 @@ def test_unusable_sampling_parameters_fail_one_request_not_its_batch(wide_engine
     assert c.error is not None and c.error.startswith("sampling failed") and c.data == ""
 
 
-def test_an_exception_in_a_requests_callback_fails_it_alone(wide_engine: Scheduler) -> None:
+def test_an_exception_in_a_requests_callback_fails_it_alone(wide_engine: Engine) -> None:
     c = Collector()
 
     def emit(ev: Output) -> None:
@@ -139,7 +142,7 @@ def test_an_exception_in_a_requests_callback_fails_it_alone(wide_engine: Schedul
     assert c.error == "engine error: RuntimeError"
 
 
-def test_a_row_of_nan_logits_fails_its_request_alone(model, engine: Scheduler) -> None:
+def test_a_row_of_nan_logits_fails_its_request_alone(model, engine: Engine) -> None:
     # A real model with one corrupted embedding row: only a prompt holding that byte gets NaN logits. The byte is
     # one no prompt holds and the healthy model does not generate for them (an ASCII byte: it decodes as itself).
     healthy = "".join(engine.generate(list(p), 24, sp)[0] for p, sp in zip(PROMPTS, PARAMS, strict=True))
@@ -149,7 +152,7 @@ def test_a_row_of_nan_logits_fails_its_request_alone(model, engine: Scheduler) -
     broken = copy.deepcopy(model)
     broken.tok_emb.weight = torch.nn.Parameter(broken.tok_emb.weight.detach().clone())  # untie from lm_head
     broken.tok_emb.weight.data[nan_byte] = float("nan")
-    eng = Scheduler(broken, tokenizer=BYTES, max_batch=8, max_queue=0, device="cpu", dtype=torch.float32)
+    eng = Engine(broken, tokenizer=BYTES, max_batch=8, max_queue=0, device="cpu", dtype=torch.float32)
     eng.start()
     try:
         c = Collector()
@@ -159,7 +162,7 @@ def test_a_row_of_nan_logits_fails_its_request_alone(model, engine: Scheduler) -
         eng.stop()
 
 
-def test_more_requests_than_slots_reuse_slots_and_queue_is_bounded(engine: Scheduler) -> None:
+def test_more_requests_than_slots_reuse_slots_and_queue_is_bounded(engine: Engine) -> None:
     collectors = [Collector() for _ in range(6)]  # 4 slots + 2 queue places
     for i, c in enumerate(collectors):
         engine.submit(Sequence(list(b"slot %d" % i), 40 + i, SamplingParams(seed=i), [], c))
@@ -172,7 +175,7 @@ def test_more_requests_than_slots_reuse_slots_and_queue_is_bounded(engine: Sched
     assert engine.counts() == (0, 0)
 
 
-def test_stop_sequence_ends_generation_early(engine: Scheduler) -> None:
+def test_stop_sequence_ends_generation_early(engine: Engine) -> None:
     full, _ = engine.generate(list(b"stop here"), 32, SamplingParams(temperature=0.0))
     stop = full[10:12]
     cut = full.index(stop)
@@ -181,7 +184,7 @@ def test_stop_sequence_ends_generation_early(engine: Scheduler) -> None:
 
 
 def test_cancelled_request_frees_its_slot(model) -> None:
-    eng = Scheduler(model, tokenizer=BYTES, max_batch=1, max_queue=0, device="cpu", dtype=torch.float32)
+    eng = Engine(model, tokenizer=BYTES, max_batch=1, max_queue=0, device="cpu", dtype=torch.float32)
     eng.start()
     try:
         c = Collector()
@@ -197,16 +200,34 @@ def test_cancelled_request_frees_its_slot(model) -> None:
         eng.stop()
 
 
-def test_heartbeat_advances_while_idle(engine: Scheduler) -> None:
+def test_heartbeat_advances_while_idle(engine: Engine) -> None:
     before = engine.heartbeat
     time.sleep(engine.idle_tick * 2.5)
     assert engine.heartbeat > before and engine.heartbeat_age() < engine.idle_tick * 2
 
 
+def test_a_loop_that_hangs_on_a_step_has_its_heartbeat_from_taking_that_step(model) -> None:
+    # The stall check (/health, the watchdog) measures from the last heartbeat: one from before the idle wait that
+    # the hanging request ended would make a hang look older than it is.
+    eng = Engine(model, tokenizer=BYTES, max_batch=1, max_queue=0, device="cpu", dtype=torch.float32,
+                 failpoint=FAILPOINT_HANG)
+    eng.start()
+    try:
+        time.sleep(eng.idle_tick * 1.5)  # idle: waiting inside the scheduler
+        submitted = time.monotonic()
+        eng.submit(Sequence(list(b"hang"), 4, STILL, [], Collector()))
+        deadline = time.monotonic() + 30
+        while eng.heartbeat_age() < eng.idle_tick * 3 and time.monotonic() < deadline:  # until it stops beating
+            time.sleep(0.01)
+        assert eng.heartbeat >= submitted
+    finally:
+        eng.stop()
+
+
 def test_half_precision_engine_generates(model_dir: Path) -> None:
     # The GPU default is bf16 weights and KV cache; the same code path runs (slowly) on CPU.
     half = load_model(model_dir, "cpu", torch.bfloat16)[0]
-    eng = Scheduler(half, tokenizer=BYTES, max_batch=2, max_queue=0, device="cpu", dtype=torch.bfloat16)
+    eng = Engine(half, tokenizer=BYTES, max_batch=2, max_queue=0, device="cpu", dtype=torch.bfloat16)
     assert eng.runner.cache.k.dtype == torch.bfloat16
     eng.start()
     try:
@@ -239,7 +260,7 @@ def test_a_llama_with_bpe_stops_at_its_eos_without_sending_it(bpe_model_dir: Pat
     ids = greedy_ids(bpe_model_dir, prompt, EOS_AT)
     eos = eos_ids(bpe_model_dir, tok)
     assert eos == {0, ids[-1]}  # the tokenizer's <|endoftext|> and generation_config.json's second one
-    eng = Scheduler(model, tokenizer=tok, eos_ids=eos, max_batch=2, max_queue=0, device="cpu", dtype=torch.float32)
+    eng = Engine(model, tokenizer=tok, eos_ids=eos, max_batch=2, max_queue=0, device="cpu", dtype=torch.float32)
     c = model.config  # the KV cache holds n_kv_head heads per layer (grouped-query attention), not n_head
     assert eng.runner.cache.k.shape == (c.n_layer, 2, c.n_kv_head, c.seq_len, c.head_dim) and c.n_kv_head < c.n_head
     eng.start()
@@ -282,8 +303,8 @@ def test_a_prompt_over_the_prefill_budget_is_chunked_while_others_decode(model, 
     # On main the first admitted request was prefilled whole, whatever its length: a 200-token prompt was one
     # 200-token step, however small --max-prefill-tokens. Now no forward pass takes more than the budget.
     budget = 16
-    eng = Scheduler(model, tokenizer=BYTES, max_batch=2, max_queue=0, device="cpu", dtype=torch.float32,
-                    max_prefill_tokens=budget)
+    eng = Engine(model, tokenizer=BYTES, max_batch=2, max_queue=0, device="cpu", dtype=torch.float32,
+                 max_prefill_tokens=budget)
     widths: list[int] = []  # tokens per row of every forward pass
     hook = model.register_forward_pre_hook(lambda _m, args: widths.append(args[0].size(1)))
     eng.start()

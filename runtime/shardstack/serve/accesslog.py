@@ -20,12 +20,11 @@ import os
 import re
 import socket
 import struct
-import time
 import uuid
 from collections.abc import Mapping
 from typing import Any
 
-from starlette.types import ASGIApp, Message, Receive, Scope, Send
+from starlette.types import Scope
 
 log = logging.getLogger(__name__)
 access_log = logging.getLogger("shardstack.serve.access")  # the stdout sink
@@ -136,42 +135,22 @@ def api_key_name(scope: Scope) -> str:
     return name if name and API_KEY_NAME.fullmatch(name) else "-"
 
 
-class AccessLogMiddleware:
-    """Times every HTTP request to its last response byte, gives it a request id (the client's or HAProxy's
-    X-Request-ID when well-formed, else a new one; echoed in the response) and writes one entry when it ends."""
+def request_id(scope: Scope) -> str:
+    """The client's or HAProxy's X-Request-ID when well-formed, else a new one."""
+    given = _header(scope, REQUEST_ID_HEADER.encode())
+    return given if given and REQUEST_ID_PATTERN.fullmatch(given) else uuid.uuid4().hex
 
-    def __init__(self, app: ASGIApp, mode: str, sink: JournalSink | None = None) -> None:
-        self.app = app
+
+class AccessLog:
+    """Writes one entry per finished request (app.py observes the response and calls `write`)."""
+
+    def __init__(self, mode: str, sink: JournalSink | None = None) -> None:
         self.mode = mode
         self.sink = sink
 
-    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] != "http":
-            await self.app(scope, receive, send)
+    def write(self, scope: Scope, status: int, sent: int, ms: float, request_id: str, extra: dict[str, Any]) -> None:
+        if self.mode == "off" or (scope["path"] in QUIET_PATHS and 200 <= status < 300):
             return
-        started = time.monotonic()
-        given = _header(scope, REQUEST_ID_HEADER.encode())
-        request_id = given if given and REQUEST_ID_PATTERN.fullmatch(given) else uuid.uuid4().hex
-        extra: dict[str, Any] = {}
-        scope[SCOPE_KEY] = extra
-        status, sent = 500, 0  # what the client sees if the app raises before answering
-
-        async def send_wrapper(message: Message) -> None:
-            nonlocal status, sent
-            if message["type"] == "http.response.start":
-                status = message["status"]
-                message["headers"] = [*message.get("headers", []), (b"x-request-id", request_id.encode())]
-            elif message["type"] == "http.response.body":
-                sent += len(message.get("body", b""))
-            await send(message)
-
-        try:
-            await self.app(scope, receive, send_wrapper)
-        finally:
-            if self.mode != "off" and not (scope["path"] in QUIET_PATHS and 200 <= status < 300):
-                self._write(scope, status, sent, (time.monotonic() - started) * 1000, request_id, extra)
-
-    def _write(self, scope: Scope, status: int, sent: int, ms: float, request_id: str, extra: dict[str, Any]) -> None:
         method = scope["method"][:16]
         path = scope["path"][:_PATH_MAX]
         client = scope["client"][0] if scope.get("client") else "-"

@@ -1,5 +1,6 @@
-"""The Starlette application: routes, error bodies (every one in `protocol.ErrorBody`'s shape), the metrics middleware
-and the lifespan that starts loading and feeds the watchdog."""
+"""The Starlette application: routes, error bodies (every one in `protocol.ErrorBody`'s shape), the one middleware
+that observes each response for the access log and the metrics, and the lifespan that starts loading and feeds the
+watchdog."""
 
 from __future__ import annotations
 
@@ -8,6 +9,7 @@ import contextlib
 import logging
 import time
 from collections.abc import AsyncIterator
+from typing import Any
 
 from starlette.applications import Starlette
 from starlette.exceptions import HTTPException
@@ -18,7 +20,7 @@ from starlette.routing import Route
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from shardstack.serve import routes
-from shardstack.serve.accesslog import AccessLogMiddleware, JournalSink, api_key_name, resolve_mode
+from shardstack.serve.accesslog import SCOPE_KEY, AccessLog, JournalSink, api_key_name, request_id, resolve_mode
 from shardstack.serve.lifecycle import Service, feed_watchdog
 from shardstack.serve.metrics import ServeMetrics
 from shardstack.serve.protocol import ApiError, clip
@@ -54,35 +56,54 @@ async def _server_error(request: Request, exc: Exception) -> Response:
     return _error_response(ApiError(500, "internal server error", code="internal_error"))
 
 
-class ApiMetricsMiddleware:
-    """Counts /v1/* responses by status code and named API key, and times successful completions and chat
-    completions (streamed ones to the last byte)."""
+class ObserveResponses:
+    """The one wrapper around `send`: every HTTP response's status, bytes and time to its last byte are observed
+    here once, and both the access log and the /v1/* metrics are fed from that. It also gives each request its id
+    (echoed as X-Request-ID) and the dict routes add access-log fields to."""
 
-    def __init__(self, app: ASGIApp, metrics: ServeMetrics) -> None:
+    def __init__(self, app: ASGIApp, access: AccessLog, metrics: ServeMetrics) -> None:
         self.app = app
+        self.access = access
         self.metrics = metrics
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] != "http" or not scope["path"].startswith("/v1/"):
+        if scope["type"] != "http":
             await self.app(scope, receive, send)
             return
         started = time.monotonic()
-        status = 500  # what the client sees if the app raises before answering
+        rid = request_id(scope)
+        extra: dict[str, Any] = {}
+        scope[SCOPE_KEY] = extra
+        status, sent = 500, 0  # what the client sees if the app raises before answering
+        ended: float | None = None  # when the last body byte went out
 
         async def send_wrapper(message: Message) -> None:
-            nonlocal status
+            nonlocal status, sent, ended
             if message["type"] == "http.response.start":
                 status = message["status"]
-            elif (message["type"] == "http.response.body" and not message.get("more_body")
-                  and 200 <= status < 300 and scope["path"] in routes.GENERATE_PATHS):
-                self.metrics.request_duration.observe(time.monotonic() - started)
+                message["headers"] = [*message.get("headers", []), (b"x-request-id", rid.encode())]
+            elif message["type"] == "http.response.body":
+                sent += len(message.get("body", b""))
+                if not message.get("more_body"):
+                    ended = time.monotonic()
             await send(message)
 
         try:
             await self.app(scope, receive, send_wrapper)
         finally:
-            if status != 499:
-                self.metrics.requests.labels(code=str(status), api_key=api_key_name(scope)).inc()
+            seconds = (ended if ended is not None else time.monotonic()) - started
+            self.access.write(scope, status, sent, seconds * 1000, rid, extra)
+            if scope["path"].startswith("/v1/"):
+                self._count(scope, status, seconds if ended is not None else None)
+
+    def _count(self, scope: Scope, status: int, seconds: float | None) -> None:
+        """Responses by status code and named API key (499: nobody got it), and the time of successful completions
+        and chat completions (streamed ones to the last byte)."""
+        if status == 499:
+            return
+        self.metrics.requests.labels(code=str(status), api_key=api_key_name(scope)).inc()
+        if seconds is not None and 200 <= status < 300 and scope["path"] in routes.GENERATE_PATHS:
+            self.metrics.request_duration.observe(seconds)
 
 
 def create_app(service: Service) -> Starlette:
@@ -107,9 +128,8 @@ def create_app(service: Service) -> Starlette:
             Route("/info", routes.info, methods=["GET"]),
             Route("/metrics", routes.metrics, methods=["GET"]),
         ],
-        # The access log outermost: it sees every response, the router's 404s and 500s included.
-        middleware=[Middleware(AccessLogMiddleware, mode=mode, sink=sink),
-                    Middleware(ApiMetricsMiddleware, metrics=service.metrics)],
+        # Around the router: it sees every response, its 404s and 405s included (an unhandled error as 500).
+        middleware=[Middleware(ObserveResponses, access=AccessLog(mode, sink), metrics=service.metrics)],
         exception_handlers={ApiError: _api_error, HTTPException: _http_error, Exception: _server_error},
         lifespan=lifespan,
     )

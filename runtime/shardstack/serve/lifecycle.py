@@ -1,7 +1,7 @@
 """The service's lifecycle: loading → ready → draining, or loading → failed.
 
 The model loads on a background thread so `/health` can answer 503 while it does; READY=1 goes to systemd once
-the model is warmed up *and* the server listens. `Service` owns the scheduler and everything the routes need to
+the model is warmed up *and* the server listens. `Service` owns the engine and everything the routes need to
 decide what to answer; `feed_watchdog` pings systemd's watchdog only while the engine loop makes progress.
 """
 
@@ -24,47 +24,16 @@ from shardstack.errors import ShardstackError
 from shardstack.model.manifest import Staged, stage_verified
 from shardstack.model.tokenizer import Tokenizer
 from shardstack.serve.chat import ChatTemplate, load_chat_template
+from shardstack.serve.engine import Engine
 from shardstack.serve.metrics import ServeMetrics
 from shardstack.serve.notify import Notifier
+from shardstack.serve.output import Handoff
 from shardstack.serve.protocol import ApiError, Limits, PromptContext, default_body_limit
 from shardstack.serve.sampling import SamplingParams
-from shardstack.serve.scheduler import Output, Scheduler
 from shardstack.serve.settings import ServeSettings, resolve_device, resolve_dtype
 from shardstack.serve.text import eos_ids, model_tokenizer
 
 log = logging.getLogger(__name__)
-
-
-class Handoff:
-    """Delivers engine events (engine thread) to per-request asyncio queues (event loop).
-
-    The first event of a burst schedules one drain on the loop; the rest of the step's events ride along, so
-    the loop wakes once per engine step rather than once per request per token.
-    """
-
-    def __init__(self) -> None:
-        self.loop: asyncio.AbstractEventLoop | None = None
-        self._pending: list[tuple[asyncio.Queue[Output], Output]] = []
-        self._lock = threading.Lock()
-
-    def to(self, queue: asyncio.Queue[Output]) -> Callable[[Output], None]:
-        if self.loop is None:
-            self.loop = asyncio.get_running_loop()
-        return lambda ev: self._push(queue, ev)
-
-    def _push(self, queue: asyncio.Queue[Output], ev: Output) -> None:
-        with self._lock:
-            self._pending.append((queue, ev))
-            first = len(self._pending) == 1
-        if first:
-            assert self.loop is not None
-            self.loop.call_soon_threadsafe(self._drain)
-
-    def _drain(self) -> None:
-        with self._lock:
-            pending, self._pending = self._pending, []
-        for queue, ev in pending:
-            queue.put_nowait(ev)
 
 
 class Service:
@@ -77,7 +46,7 @@ class Service:
         self.metrics = ServeMetrics()
         self.phase = "loading"
         self.failure: str | None = None
-        self.engine: Scheduler | None = None
+        self.engine: Engine | None = None
         self.meta: dict[str, Any] = {}
         self.verified: Staged | None = None  # what the signed manifest said, once the copy verified
         self.chat_template: ChatTemplate | None = None  # the model's, for /v1/chat/completions
@@ -138,10 +107,10 @@ class Service:
         vocab = model.config.vocab_size
         tokenizer = model_tokenizer(model_dir, meta, vocab)
         self.chat_template = load_chat_template(model_dir)
-        engine = Scheduler(model, tokenizer=tokenizer, eos_ids=eos_ids(model_dir, tokenizer),
-                           context=s.context, max_batch=s.max_concurrency, max_queue=s.max_queue,
-                           device=self.device, dtype=self.dtype, max_prefill_tokens=s.max_prefill_tokens,
-                           metrics=self.metrics, failpoint=s.failpoint)
+        engine = Engine(model, tokenizer=tokenizer, eos_ids=eos_ids(model_dir, tokenizer),
+                        context=s.context, max_batch=s.max_concurrency, max_queue=s.max_queue,
+                        device=self.device, dtype=self.dtype, max_prefill_tokens=s.max_prefill_tokens,
+                        metrics=self.metrics, failpoint=s.failpoint)
         context = engine.context
         self.limits = Limits(context=context, max_tokens=min(s.max_tokens or context, context - 1))
         ctx = PromptContext(tokenizer, vocab)
@@ -213,7 +182,7 @@ class Service:
             raise ApiError(401, "missing or invalid bearer token", code="invalid_api_key",
                            headers={"WWW-Authenticate": "Bearer"})
 
-    def admitting_engine(self) -> Scheduler:
+    def admitting_engine(self) -> Engine:
         if self.phase == "draining":
             raise ApiError(503, "server is draining; retry on another replica", code="unavailable",
                            headers={"Retry-After": "1"})

@@ -6,13 +6,20 @@ from collections.abc import Callable
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
-from shardstack.serve.scheduler import SchedulerMetrics
-
 _LATENCY_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
 _BATCH_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256)
 
 
-class ServeMetrics(SchedulerMetrics):
+class EngineMetrics:
+    """Hooks the engine calls; the default does nothing (the app plugs Prometheus in)."""
+
+    def queue_depth(self, running: int, waiting: int) -> None: ...
+    def tokens(self, prompt: int, generated: int) -> None: ...
+    def first_token(self, seconds: float) -> None: ...
+    def step(self, batch: int) -> None: ...
+
+
+class ServeMetrics(EngineMetrics):
     def __init__(self) -> None:
         self.registry = CollectorRegistry()
         r = self.registry
@@ -42,7 +49,7 @@ class ServeMetrics(SchedulerMetrics):
     def bind_heartbeat(self, wall_clock: Callable[[], float]) -> None:
         self.heartbeat.set_function(wall_clock)
 
-    # SchedulerMetrics hooks, called from the engine thread (prometheus_client is thread-safe).
+    # EngineMetrics hooks, called from the engine thread (prometheus_client is thread-safe).
     def queue_depth(self, running: int, waiting: int) -> None:
         self.running.set(running)
         self.waiting.set(waiting)

@@ -20,9 +20,11 @@ from starlette.types import Receive
 
 from shardstack import __version__
 from shardstack.serve.accesslog import request_fields
+from shardstack.serve.engine import Engine
 from shardstack.serve.lifecycle import Service
 from shardstack.serve.protocol import ApiError, CompletionRequest, parse_chat, parse_completion
-from shardstack.serve.scheduler import Output, QueueFull, Scheduler, Sequence
+from shardstack.serve.request import Output, Sequence
+from shardstack.serve.scheduler import QueueFull
 
 COMPLETIONS_PATH = "/v1/completions"
 CHAT_PATH = "/v1/chat/completions"
@@ -191,7 +193,7 @@ async def _wait_disconnect(receive: Receive) -> None:
         pass
 
 
-async def _complete(request: Request, engine: Scheduler, seq: Sequence, events: asyncio.Queue[Output],
+async def _complete(request: Request, engine: Engine, seq: Sequence, events: asyncio.Queue[Output],
                     req: CompletionRequest, shape: Shape, meta: dict[str, Any], access: dict[str, Any]) -> Response:
     # Watch for the client going away so an abandoned request frees its slot instead of running to max_tokens.
     gone = asyncio.ensure_future(_wait_disconnect(request.receive))
@@ -216,7 +218,7 @@ def _sse_line(obj: Any) -> str:
     return f"data: {json.dumps(obj, ensure_ascii=False)}\n\n"
 
 
-async def _sse(engine: Scheduler, seq: Sequence, events: asyncio.Queue[Output], req: CompletionRequest,
+async def _sse(engine: Engine, seq: Sequence, events: asyncio.Queue[Output], req: CompletionRequest,
                shape: Shape, meta: dict[str, Any], access: dict[str, Any]) -> AsyncIterator[str]:
     finished = False
     first = True
