@@ -2,8 +2,9 @@
 
 import pytest
 import torch
-from shardstack.model.gpt import GPT, PRESETS, GPTConfig
+from shardstack.model.gpt import GPT, GPTConfig
 from shardstack.model.kvcache import KVCache
+from shardstack.model.shapes import GPT_PRESETS as PRESETS
 
 
 @pytest.fixture
