@@ -23,7 +23,8 @@ SAVE = textwrap.dedent("""
     import torch
     from shardstack.train.checkpoint.checkpointer import Checkpointer
     from shardstack.train.config import CheckpointConfig
-    from shardstack.model.gpt import GPT, GPTConfig, PRESETS
+    from shardstack.model.gpt import GPT, GPTConfig
+    from shardstack.model.shapes import GPT_PRESETS as PRESETS
     warnings.simplefilter("ignore")
     config = GPTConfig(**PRESETS[sys.argv[2]])
     torch.manual_seed(0)
@@ -54,7 +55,7 @@ EXPORT = textwrap.dedent("""
 
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--preset", default="gpt2-124m", help="a key of shardstack.model.gpt.PRESETS")
+    p.add_argument("--preset", default="gpt2-124m", help="a key of shardstack.model.shapes.GPT_PRESETS")
     p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
     args = p.parse_args()
     with tempfile.TemporaryDirectory(prefix="shardstack-export-bench-") as tmp:

@@ -34,8 +34,8 @@ def sync() -> None:
 
 
 def model_config(spec: str, seq_len: int, smoke: bool):
-    """NAME[:LAYERS] → shardstack.model.factory.ModelConfig (the tiny preset of the same arch under --smoke-cpu)."""
-    from shardstack.model.factory import ModelConfig
+    """NAME[:LAYERS] → shardstack.model.spec.ModelConfig (the tiny preset of the same arch under --smoke-cpu)."""
+    from shardstack.model.spec import ModelConfig
 
     name, _, layers = spec.partition(":")
     fields = dict(GPT_1P3B) if name == "gpt-1.3b" else {"arch": "llama", "size": name}
@@ -43,7 +43,7 @@ def model_config(spec: str, seq_len: int, smoke: bool):
         fields = {"arch": fields["arch"], "size": "tiny"}
     if layers:
         fields["n_layer"] = int(layers)
-    return ModelConfig(**fields, seq_len=seq_len)
+    return ModelConfig.of(**fields, seq_len=seq_len)
 
 
 def _variants(args):
@@ -53,7 +53,7 @@ def _variants(args):
 
 
 def run_variant(name: str, stage: int | None, args, info, mcfg) -> dict:
-    from shardstack.model.factory import build_model
+    from shardstack.model.spec import build_model
     from shardstack.train.config import EngineConfig, OptimizerConfig
     from shardstack.train.engine import build_engine
     from shardstack.train.parallelize import prepare_blocks
@@ -109,7 +109,7 @@ def run_variant(name: str, stage: int | None, args, info, mcfg) -> dict:
 
 
 def bench_model(spec: str, args, info) -> list[dict]:
-    from shardstack.model.factory import arch_config
+    from shardstack.model.spec import arch_config
 
     mcfg = model_config(spec, args.seq_len, args.smoke_cpu)
     header = {"bench": "gpu_step", "model": spec, "torch": torch.__version__,
@@ -160,7 +160,7 @@ def main() -> int:
     ap.add_argument("--smoke-cpu", action="store_true", help=argparse.SUPPRESS)
     args = ap.parse_args()
     from shardstack.errors import ShardstackError
-    from shardstack.model.factory import arch_config
+    from shardstack.model.spec import arch_config
 
     for spec in args.models:  # every name checked before anything is measured
         try:

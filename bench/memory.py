@@ -69,7 +69,7 @@ def worker(args: argparse.Namespace) -> None:
     if args.malloc == "tuned":
         tune_allocator()
     import torch.distributed as dist
-    from shardstack.model.factory import ModelConfig
+    from shardstack.model.spec import ModelConfig
     from shardstack.train.build import build_on_meta
     from shardstack.train.config import EngineConfig, OptimizerConfig
     from shardstack.train.dist import init_distributed, leave_worker, shutdown
@@ -78,22 +78,23 @@ def worker(args: argparse.Namespace) -> None:
 
     torch.set_num_threads(1)
     info = init_distributed("auto")
-    mcfg = ModelConfig(arch="gpt", n_layer=args.n_layer, n_head=args.n_head, d_model=args.d_model,
-                       seq_len=args.seq_len, vocab_size=256)
+    mcfg = ModelConfig.of(arch="gpt", n_layer=args.n_layer, n_head=args.n_head, d_model=args.d_model,
+                          seq_len=args.seq_len, vocab_size=256)
     eng_cfg = EngineConfig(stage=args.stage, activation_checkpointing=args.ac, compile=args.compile,
                            activation_checkpointing_every=2 if args.ac == "every_n" else None)
     opt_cfg = OptimizerConfig(impl=args.impl)
 
     def batch(cfg: ModelConfig, b: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
-        assert cfg.vocab_size and cfg.seq_len
-        x = torch.randint(0, cfg.vocab_size, (b, cfg.seq_len + 1), generator=torch.Generator().manual_seed(0))
+        shape = cfg.overrides
+        assert shape.vocab_size and shape.seq_len
+        x = torch.randint(0, shape.vocab_size, (b, shape.seq_len + 1), generator=torch.Generator().manual_seed(0))
         x = x.to(info.device)
         return [(x[:, :-1].contiguous(), x[:, 1:].contiguous())]
 
     meter = Meter(info.device)
     meter.zero()
     meter.reset()
-    tiny = ModelConfig(arch="gpt", n_layer=1, n_head=1, d_model=8, seq_len=8, vocab_size=256)
+    tiny = ModelConfig.of(arch="gpt", n_layer=1, n_head=1, d_model=8, seq_len=8, vocab_size=256)
     warm_model, warm_materialize = build_on_meta(tiny, 0)
     warm = build_engine(warm_model, eng_cfg, opt_cfg, info, materialize=warm_materialize)
     for _ in range(2):

@@ -27,7 +27,8 @@ def main() -> int:
     if not under_torchrun():
         return relaunch(args.world_size, sys.argv[1:])
 
-    from shardstack.model.gpt import GPT, PRESETS, GPTConfig
+    from shardstack.model.gpt import GPT, GPTConfig
+    from shardstack.model.shapes import GPT_PRESETS as PRESETS
     from shardstack.train.config import EngineConfig, OptimizerConfig
     from shardstack.train.dist import init_distributed, shutdown
     from shardstack.train.engine import build_engine

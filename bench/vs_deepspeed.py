@@ -49,7 +49,8 @@ def _tensor_bytes(ts) -> int:
 def worker(args) -> None:
     import torch
     import torch.distributed as dist
-    from shardstack.model.gpt import GPT, PRESETS, GPTConfig
+    from shardstack.model.gpt import GPT, GPTConfig
+    from shardstack.model.shapes import GPT_PRESETS as PRESETS
     from shardstack.train.data import Batches, GlobalSampler, TokenDataset
     from shardstack.train.optim import optimizer_param_groups
 

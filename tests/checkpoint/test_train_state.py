@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 import torch
 from shardstack.errors import ShardstackError
-from shardstack.model.factory import build_model
+from shardstack.model.spec import build_model
 from shardstack.train import dist
 from shardstack.train.config import config_from_dict
 from shardstack.train.data import GlobalSampler

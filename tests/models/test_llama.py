@@ -8,9 +8,10 @@ import pytest
 import torch
 from shardstack.errors import ShardstackError
 from shardstack.model import hf
-from shardstack.model.factory import ModelConfig, arch_config, build_model
 from shardstack.model.kvcache import KVCache
-from shardstack.model.llama import PRESETS, Llama, LlamaConfig
+from shardstack.model.llama import Llama, LlamaConfig
+from shardstack.model.shapes import LLAMA_PRESETS as PRESETS
+from shardstack.model.spec import ModelConfig, arch_config, build_model
 from shardstack.train.config import config_from_dict
 
 from .conftest import shardstack, write_job

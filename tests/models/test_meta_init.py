@@ -9,9 +9,9 @@ from pathlib import Path
 import pytest
 import torch
 from shardstack.errors import ShardstackError
-from shardstack.model.factory import ModelConfig
 from shardstack.model.init import CHUNK_ELEMENTS, init_parameters, to_empty
 from shardstack.model.llama import Llama, LlamaConfig
+from shardstack.model.spec import ModelConfig
 from shardstack.train.build import build_on_meta
 
 from .conftest import HERE, step_lines, torchrun, write_job

@@ -16,7 +16,7 @@ from shardstack.train.config import config_from_dict
 
 def test_the_recipe_is_a_valid_job_keyed_by_its_content(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
     cfg = config_from_dict({**pretrained.JOB, "data": {"path": "/x"}})
-    assert cfg.model.arch == "llama" and cfg.model.vocab_size == pretrained.VOCAB
+    assert cfg.model.arch == "llama" and cfg.model.overrides.vocab_size == pretrained.VOCAB
     monkeypatch.setenv("SHARDSTACK_CACHE", str(tmp_path))
     key = pretrained.recipe_key()
     assert pretrained.model_dir() == tmp_path / "pretrained" / f"stdlib-llama-{key}"

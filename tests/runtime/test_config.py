@@ -8,8 +8,8 @@ import sys
 import pytest
 from shardstack.cli import main
 from shardstack.errors import ShardstackError
-from shardstack.model.factory import arch_config
 from shardstack.model.gpt import GPTConfig
+from shardstack.model.spec import arch_config
 from shardstack.train.config import config_from_dict, load_config
 
 

@@ -21,7 +21,7 @@ import pytest
 import torch
 import yaml
 from shardstack.errors import ShardstackError
-from shardstack.model.factory import ModelConfig, build_model
+from shardstack.model.spec import ModelConfig, build_model
 from shardstack.train import dist
 from shardstack.train.config import config_from_dict, load_config
 from shardstack.train.data import prepare
@@ -167,7 +167,7 @@ def test_world_size_not_divisible_by_tp_is_a_clear_error(tmp_path, data_dir):
 
 def meta_llama() -> torch.nn.Module:
     with torch.device("meta"):
-        return build_model(ModelConfig(**LLAMA))
+        return build_model(ModelConfig.of(**LLAMA))
 
 
 def expected_params(world: int, tp: int) -> int:

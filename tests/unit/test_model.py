@@ -1,9 +1,13 @@
-"""The GPT's cached (serving) path must reproduce the full causal forward exactly, for mixed-length batches."""
+"""The GPT's cached (serving) path must reproduce the full causal forward exactly, for mixed-length batches; the
+arch registry builds what it names."""
 
 import pytest
 import torch
-from shardstack.model.gpt import GPT, PRESETS, GPTConfig
+from shardstack.model.decoder import arch_spec
+from shardstack.model.gpt import GPT, GPTConfig
 from shardstack.model.kvcache import KVCache
+from shardstack.model.shapes import GPT_PRESETS as PRESETS
+from shardstack.model.spec import ARCHS, ShardedModel, build_arch
 
 
 @pytest.fixture
@@ -56,3 +60,13 @@ def test_largest_preset_is_about_1_3b_parameters() -> None:
     with torch.device("meta"):
         m = GPT(GPTConfig(**PRESETS["gpt-1.3b"]))
     assert 1.2e9 < m.num_params() < 1.45e9
+
+
+@pytest.mark.parametrize("arch", sorted(ARCHS))
+def test_each_registered_arch_builds_and_its_tp_plan_names_projections(arch: str) -> None:
+    spec = ARCHS[arch]
+    with torch.device("meta"):
+        built = build_arch(arch, spec.presets["tiny"])
+    assert arch_spec(built) is spec and isinstance(built, ShardedModel)
+    for path in spec.tp_plan or {}:
+        assert isinstance(built.blocks[0].get_submodule(path), torch.nn.Linear)

@@ -16,7 +16,6 @@ from shardstack.cli.checkpoint import key_args, load_key
 from shardstack.cli.inventory import add_inventory_arg, load_cluster
 from shardstack.cli.output import EXIT_FAILED_HOSTS, EXIT_OK, LiveProgress, console, summary_table
 from shardstack.errors import ShardstackError
-from shardstack.model.artifact import check_model_dir
 
 log = logging.getLogger(__name__)
 
@@ -144,6 +143,8 @@ def _check_tls(cert: Path | None, key: Path | None) -> None:
 def run(args: argparse.Namespace) -> int:
     if args.model is None:
         raise ShardstackError("`shardstack serve` needs --model DIR (or the action `rollout`)")
+    from shardstack.model.artifact import check_model_dir  # torch: `serve rollout` runs on a controller without it
+
     check_model_dir(args.model)
     if args.max_queue < 0:
         raise ShardstackError("--max-queue must be >= 0")

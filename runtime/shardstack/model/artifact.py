@@ -33,10 +33,12 @@ from torch import nn
 
 from shardstack.errors import ShardstackError
 from shardstack.model import hf
+from shardstack.model.decoder import arch_spec
 from shardstack.model.dtypes import SAFETENSORS, dtype_name
-from shardstack.model.factory import ARCHS, build_arch
 from shardstack.model.init import to_empty
-from shardstack.model.llama import Llama, LlamaConfig
+from shardstack.model.llama import Llama
+from shardstack.model.shapes import LlamaConfig
+from shardstack.model.spec import build_arch
 from shardstack.model.tokenizer import BYTES, HFTokenizer, copy_files
 
 WEIGHTS = "model.safetensors"
@@ -172,10 +174,10 @@ def write_hf(out: str | os.PathLike, entries: list[tuple[str, torch.Size]], read
 
 
 def arch_of(model: nn.Module) -> str:
-    for arch, (cls, _config, _presets) in ARCHS.items():
-        if isinstance(model, cls):
-            return arch
-    raise ShardstackError(f"{type(model).__name__} is not a built-in architecture; exports hold gpt or llama")
+    spec = arch_spec(model)
+    if spec is None:
+        raise ShardstackError(f"{type(model).__name__} is not a built-in architecture; exports hold gpt or llama")
+    return spec.name
 
 
 def save_model(model: nn.Module, out: str | os.PathLike, *, step: int, source: str,
@@ -188,7 +190,8 @@ def save_model(model: nn.Module, out: str | os.PathLike, *, step: int, source: s
     entries = [(n, state[n].shape) for n in names]
     meta = {"step": str(step), "source_checkpoint": source}
     if fmt == "hf":
-        if not isinstance(model, Llama):
+        spec = arch_spec(model)
+        if spec is None or not spec.hf:
             raise ShardstackError(f"--format hf writes Llama models; this is {type(model).__name__}")
         write_hf(out, entries, lambda n: state[n].detach(), model=model.config, dtype=dtype, header_meta=meta,
                  tokenizer=tokenizer)

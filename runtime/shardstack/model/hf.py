@@ -18,7 +18,7 @@ import torch
 
 from shardstack.errors import ShardstackError
 from shardstack.model.dtypes import dtype_name
-from shardstack.model.llama import LlamaConfig, RopeScaling
+from shardstack.model.shapes import LlamaConfig, RopeScaling
 
 ARCHITECTURE = "LlamaForCausalLM"
 CONFIG = "config.json"

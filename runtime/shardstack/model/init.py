@@ -7,7 +7,8 @@ or a whole tensor for DDP — draws only the chunks that overlap them and keeps 
 a full tensor it does not own, and any sharding sees the same values. Generators are per chunk rather than one
 generator advanced to an offset because torch's CPU and CUDA generators have no cheap, portable "skip ahead".
 
-The hook a model provides (GPT and Llama do; a `model.factory` model must too, see docs/runtime.md):
+The hook a model provides (shardstack.model.spec.ShardedModel: GPT and Llama do; build_model checks a
+`model.factory` model has it, see docs/runtime.md):
 
     def init_param(self, name: str, rows: torch.Tensor, generator: torch.Generator) -> None:
         '''Fill `rows` in place: a block of whole dim-0 rows of parameter `name` (its FQN in the model), shape
@@ -24,7 +25,7 @@ import torch
 from torch import nn
 from torch.distributed.tensor import DTensor
 
-from shardstack.errors import ShardstackError
+from shardstack.model.spec import ShardedModel
 
 CHUNK_ELEMENTS = 1 << 20  # ~4 MiB of fp32 per draw: bounds the scratch memory of initialising any tensor
 
@@ -60,19 +61,9 @@ def to_empty(model: nn.Module, device: torch.device | str) -> None:
             setattr(model.get_submodule(module), attr, shared)
 
 
-def check_init_hook(model: nn.Module) -> None:
-    if not callable(getattr(model, "init_param", None)):
-        raise ShardstackError(
-            f"{type(model).__name__} cannot be initialised on the meta device: it has no "
-            "init_param(name, rows, generator)",
-            hint="the trainer builds models on the meta device and fills only each rank's shards; add the hook "
-                 "(docs/runtime.md, 'Your own model') or load weights with model.init_from")
-
-
 @torch.no_grad()
-def init_parameters(model: nn.Module, seed: int) -> None:
+def init_parameters(model: ShardedModel, seed: int) -> None:
     """Fill every parameter of `model` (whole tensors, or this rank's DTensor shards) from (seed, FQN)."""
-    check_init_hook(model)
     generators: dict[torch.device, torch.Generator] = {}
     for name, p in model.named_parameters():
         local, offset = _local_block(p)

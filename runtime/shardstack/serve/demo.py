@@ -8,7 +8,7 @@ from pathlib import Path
 import torch
 
 from shardstack.model.artifact import save_model
-from shardstack.model.factory import ARCHS
+from shardstack.model.spec import ARCHS, build_arch
 from shardstack.model.tokenizer import HFTokenizer
 
 
@@ -20,7 +20,6 @@ def write_random_model(out: str | Path, preset: str = "small", *, seed: int = 0,
     tok = HFTokenizer(tokenizer) if tokenizer is not None else None
     if tok is not None:
         overrides.setdefault("vocab_size", tok.vocab_size)
-    model_cls, config_cls, presets = ARCHS[arch]
     torch.manual_seed(seed)
-    model = model_cls(config_cls(**{**presets[preset], **overrides}))
+    model = build_arch(arch, {**ARCHS[arch].presets[preset], **overrides})
     return save_model(model, out, step=0, source=f"random:{arch}:{preset}:seed={seed}", fmt=fmt, tokenizer=tok)

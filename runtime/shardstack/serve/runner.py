@@ -11,12 +11,11 @@ from __future__ import annotations
 
 import torch
 
-from shardstack.model.gpt import GPT
+from shardstack.model.decoder import Decoder
 from shardstack.model.kvcache import KVCache
-from shardstack.model.llama import Llama
 from shardstack.serve.memory import check_kv_cache
 
-Model = GPT | Llama  # what exports hold; both decode each row in its own KV-cache slot
+Model = Decoder  # what exports hold (GPT, Llama): each row decodes in its own KV-cache slot
 
 
 class ModelRunner:

@@ -8,8 +8,8 @@ import torch
 from torch import nn
 
 from shardstack.errors import ShardstackError
-from shardstack.model.factory import ModelConfig, build_model
-from shardstack.model.init import check_init_hook, init_parameters, to_empty
+from shardstack.model.init import init_parameters, to_empty
+from shardstack.model.spec import ModelConfig, build_model
 from shardstack.train.engine import Materialize
 
 
@@ -22,8 +22,6 @@ def build_on_meta(cfg: ModelConfig, seed: int) -> tuple[nn.Module, Materialize]:
         from shardstack.model import hf
 
         hf.check_weights(cfg.init_from, hf.read_config(cfg.init_from))
-    else:
-        check_init_hook(model)
     buffers = [name for name, _ in model.named_buffers()]
     if buffers:
         raise ShardstackError(f"{type(model).__name__} has buffers ({', '.join(buffers[:3])}): a model built on the "

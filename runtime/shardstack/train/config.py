@@ -11,6 +11,7 @@ import dataclasses
 import difflib
 import hashlib
 import json
+import re
 import types
 import typing
 from dataclasses import dataclass, field
@@ -20,9 +21,19 @@ from typing import Any, Literal
 import yaml
 
 from shardstack.errors import ShardstackError
-from shardstack.model.factory import ModelConfig, arch_config, check_model_config, model_arch
+from shardstack.model.spec import (
+    ARCHS,
+    SECTION_KEYS,
+    ModelConfig,
+    arch_config,
+    check_arch_keys,
+    check_model_config,
+    model_arch,
+)
 from shardstack.signing import DEFAULT_KEY_FILE
-from shardstack.train.checkpoint.layout import JOB_NAME_RE
+
+# This module is the job config on the controller too (`train submit` validates it there): no torch, here or below.
+JOB_NAME_RE = re.compile(r"^[a-z0-9][a-z0-9_-]{0,62}$")  # `train submit`'s rule (shardstack.ops.jobs.common.JOB_NAME)
 
 
 @dataclass
@@ -118,7 +129,7 @@ class JobConfig:
     seed: int = 1337
 
     def to_dict(self) -> dict[str, Any]:
-        return dataclasses.asdict(self)
+        return dataclasses.asdict(self) | {"model": self.model.to_dict()}  # the model section as the YAML has it
 
     def config_hash(self) -> str:
         """Hash of what defines the run's math (model, data, optimizer, schedule, global batch, seed).
@@ -245,6 +256,9 @@ def _build(cls: type, data: Any, prefix: str) -> Any:
             continue
         dotted = f"{prefix}.{name}" if prefix else name
         tp = hints[name]
+        if tp is ModelConfig:
+            kwargs[name] = _build_model(data[name] if data[name] is not None else {}, dotted)
+            continue
         if dataclasses.is_dataclass(tp):
             kwargs[name] = _build(tp, data[name] if data[name] is not None else {}, dotted)
             continue
@@ -254,6 +268,27 @@ def _build(cls: type, data: Any, prefix: str) -> Any:
             raise ShardstackError(f"config key '{dotted}' is {value!r}; expected {check[1]}")
         kwargs[name] = value
     return cls(**kwargs)
+
+
+def _build_model(data: dict[str, Any], prefix: str) -> ModelConfig:
+    """The flat `model:` section: arch, size, init_from, factory as keys of ModelConfig, the rest typed by the arch's
+    overrides. A key of another arch is named as such; None is unset (a recorded job config lists every key)."""
+    if not isinstance(data, dict):
+        raise ShardstackError(f"section '{prefix}' must be a mapping, got {type(data).__name__}")
+    names = [*SECTION_KEYS, *dict.fromkeys(n for spec in ARCHS.values() for n in spec.field_names())]
+    for key in data:
+        if key not in names:
+            close = difflib.get_close_matches(str(key), names, n=1, cutoff=0.6)
+            raise ShardstackError(f"unknown config key '{prefix}.{key}'",
+                                  hint=f"did you mean '{prefix}.{close[0]}'?" if close else
+                                  "allowed keys: " + ", ".join(names))
+    cfg = _build(ModelConfig, {k: v for k, v in data.items() if k in SECTION_KEYS}, prefix)
+    spec = ARCHS[model_arch(cfg)]
+    rest = {k: v for k, v in data.items() if k not in SECTION_KEYS and v is not None}
+    if cfg.factory is None:  # a user model's section ignores the shape keys, as it always has
+        check_arch_keys(spec, rest)
+    cfg.overrides = _build(spec.fields, {k: v for k, v in rest.items() if k in spec.field_names()}, prefix)
+    return cfg
 
 
 def _cross_checks(cfg: JobConfig) -> None:
@@ -300,7 +335,7 @@ def _check_tensor_parallel(cfg: JobConfig) -> None:
     if cfg.batch.micro_batch == "auto":
         raise ShardstackError(f"{key}, which does not combine with batch.micro_batch 'auto'",
                               hint="set batch.micro_batch to a number (`shardstack estimate` helps to pick it)")
-    if cfg.model.factory is not None or model_arch(cfg.model) != "llama":
+    if cfg.model.factory is not None or ARCHS[model_arch(cfg.model)].tp_plan is None:
         raise ShardstackError(
             f"{key}, but the model is {'model.factory' if cfg.model.factory else 'arch ' + model_arch(cfg.model)}",
             hint="tensor parallelism splits the Llama family's separate q/k/v projections across ranks (the GPT's "
@@ -308,8 +343,7 @@ def _check_tensor_parallel(cfg: JobConfig) -> None:
     if cfg.model.init_from is not None:
         return  # its config.json is read on the cluster; parallelize() checks the heads there
     shape = arch_config(cfg.model)
-    for name in ("n_head", "n_kv_head"):
-        n = getattr(shape, name)
+    for name, n in (("n_head", shape.n_head), ("n_kv_head", shape.n_kv_head)):
         if n % k:
             raise ShardstackError(f"{key}, but model.{name} ({n}) is not divisible by it",
                                   hint="each tensor-parallel rank computes n_head / K query and n_kv_head / K "

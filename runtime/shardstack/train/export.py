@@ -27,8 +27,8 @@ from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 from shardstack.errors import ShardstackError
 from shardstack.model import artifact
 from shardstack.model.dtypes import DTYPES
-from shardstack.model.factory import arch_config, model_arch
 from shardstack.model.manifest import write_manifest
+from shardstack.model.spec import ARCHS, arch_config, model_arch
 from shardstack.model.tokenizer import BYTES, HFTokenizer
 from shardstack.signing import SigningKey
 from shardstack.train.checkpoint.layout import CheckpointInfo, resolve_checkpoint
@@ -103,7 +103,7 @@ def export_checkpoint(
     assert info.manifest is not None
     job = _job(info.manifest)
     arch, model_config = model_arch(job.model), arch_config(job.model)
-    if fmt == "hf" and arch != "llama":
+    if fmt == "hf" and not ARCHS[arch].hf:
         raise ShardstackError(f"--format hf writes Llama models; this checkpoint holds arch {arch}",
                               hint="export it with --format shardstack")
     fields = model_config.to_dict()

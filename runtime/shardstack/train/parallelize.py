@@ -20,19 +20,15 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 from torch.utils.checkpoint import checkpoint
 
 from shardstack.errors import ShardstackError
+from shardstack.model.decoder import arch_spec
 from shardstack.model.dtypes import to_dtype
 from shardstack.train.config import EngineConfig
 from shardstack.train.dist import DistInfo
 
 
 def shard_units(model: nn.Module) -> Sequence[nn.Module]:
-    blocks = getattr(model, "blocks", None)
-    if not isinstance(blocks, nn.ModuleList | list | tuple) or not blocks:
-        raise ShardstackError(
-            f"{type(model).__name__} has no `blocks` (a non-empty ModuleList of its layers)",
-            hint="FSDP shards one block per unit; expose the transformer layers as `model.blocks`",
-        )
-    return blocks
+    """The FSDP units: the model's `blocks` (a ShardedModel's, checked when it was built)."""
+    return model.blocks
 
 
 def checkpointed_blocks(n_blocks: int, mode: str, every: int | None) -> list[int]:
@@ -92,25 +88,25 @@ def prepare_blocks(blocks: Sequence[nn.Module], engine_cfg: EngineConfig, device
 
 
 def apply_tensor_parallel(model: nn.Module, tp_mesh: DeviceMesh) -> None:
-    """Split each block's projections over `tp_mesh` as the block's TP_PLAN says (column- or row-wise), in place.
+    """Split each block's projections over `tp_mesh` as its architecture's tp_plan says (column- or row-wise), in
+    place.
 
     Only the blocks are split; embeddings, norms and the head stay replicated across the "tp" ranks, whose inputs
     are identical. The styles return plain local tensors, so the block's own code runs unchanged on its heads.
     """
     k = tp_mesh.size()
-    cfg = getattr(model, "config", None)
-    for name in ("n_head", "n_kv_head"):
-        n = getattr(cfg, name, None)
-        if n is not None and n % k:  # a model from init_from, whose shape the config loader did not see
+    spec = arch_spec(model)
+    if spec is None or spec.tp_plan is None:
+        raise ShardstackError(f"{type(model).__name__} has no tensor-parallel plan: engine.tensor_parallel needs one",
+                              hint="the Llama family supports tensor parallelism; set engine.tensor_parallel: 1")
+    cfg = model.config
+    for name, n in (("n_head", cfg.n_head), ("n_kv_head", cfg.n_kv_head)):
+        if n % k:  # a model from init_from, whose shape the config loader did not see
             raise ShardstackError(f"config key 'engine.tensor_parallel' is {k}, but the model's {name} ({n}) is "
                                   "not divisible by it")
     styles = {"colwise": ColwiseParallel, "rowwise": RowwiseParallel}
     for block in shard_units(model):
-        plan = getattr(block, "TP_PLAN", None)
-        if not plan:
-            raise ShardstackError(f"{type(block).__name__} has no TP_PLAN: engine.tensor_parallel needs one",
-                                  hint="the Llama family supports tensor parallelism; set engine.tensor_parallel: 1")
-        parallelize_module(block, tp_mesh, {path: styles[style]() for path, style in plan.items()})
+        parallelize_module(block, tp_mesh, {path: styles[style]() for path, style in spec.tp_plan.items()})
 
 
 def parallelize(model: nn.Module, engine_cfg: EngineConfig, dist_info: DistInfo) -> nn.Module:

@@ -20,6 +20,7 @@ import numpy as np
 import torch
 
 from shardstack.errors import ShardstackError
+from shardstack.model.decoder import flops_per_token
 from shardstack.model.tokenizer import load_tokenizer
 from shardstack.train.build import build_on_meta
 from shardstack.train.config import JobConfig
@@ -179,22 +180,19 @@ def train(cfg: JobConfig, max_steps: int | None = None, *, out=None) -> TrainRes
     np.random.seed(cfg.seed)
     # No rank ever holds the whole model: build on meta, shard, then materialise the local shards (build_engine).
     model, materialize = build_on_meta(cfg.model, cfg.seed)
-    seq_len = getattr(getattr(model, "config", None), "seq_len", None)
-    if seq_len is None:
-        raise ShardstackError("the model has no config.seq_len: the data windows need it")
+    seq_len = model.config.seq_len
     if not cfg.data.path:
         raise ShardstackError("config key 'data.path' is not set",
                               hint="run `shardstack data prepare --out DIR` and set data.path: DIR")
     dataset = TokenDataset(cfg.data.path, seq_len)
-    model_vocab = getattr(model.config, "vocab_size", dataset.vocab_size)
+    model_vocab = model.config.vocab_size
     if dataset.vocab_size > model_vocab:
         raise ShardstackError(f"data vocabulary ({dataset.vocab_size}) exceeds model.vocab_size ({model_vocab})")
     if cfg.data.tokenizer is not None and dataset.meta["tokenizer"] != load_tokenizer(cfg.data.tokenizer).name:
         raise ShardstackError(f"{cfg.data.path} was prepared with tokenizer {dataset.meta['tokenizer']}, but "
                               f"data.tokenizer is {cfg.data.tokenizer}",
                               hint=f"prepare it again: shardstack data prepare --tokenizer {cfg.data.tokenizer}")
-    flops_per_token = model.flops_per_token() if hasattr(model, "flops_per_token") else \
-        6 * sum(p.numel() for p in model.parameters())
+    flops = flops_per_token(model)
 
     engine = build_engine(model, cfg.engine, cfg.optimizer, info, materialize=materialize)
     if cfg.batch.micro_batch == "auto":
@@ -217,7 +215,7 @@ def train(cfg: JobConfig, max_steps: int | None = None, *, out=None) -> TrainRes
 
     tokens_per_step = cfg.batch.global_batch * seq_len
     metrics = MetricsProcessor(cfg.metrics, is_main=info.is_main, device=info.device, world_size=info.world_size,
-                               tokens_per_step=tokens_per_step, flops_per_token=flops_per_token, out=out)
+                               tokens_per_step=tokens_per_step, flops_per_token=flops, out=out)
     if ckpt:
         ckpt.on_space_check = lambda c: metrics.checkpoint_space(free_bytes=c.free_bytes, skipped=c.skipped)
         ckpt.on_commit = metrics.checkpoint_committed

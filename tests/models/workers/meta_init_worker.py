@@ -13,7 +13,7 @@ import sys
 from pathlib import Path
 
 import torch
-from shardstack.model.factory import ModelConfig, build_model
+from shardstack.model.spec import ModelConfig, build_model
 from shardstack.train.build import build_on_meta
 from shardstack.train.config import EngineConfig, OptimizerConfig
 from shardstack.train.dist import init_distributed, leave_worker, shutdown
@@ -23,8 +23,8 @@ from shardstack.train.memory.host import tune_allocator
 
 # 282 M parameters (fp32: 1.05 GiB). A small vocabulary keeps the root unit (embeddings + head), which FSDP2 keeps
 # gathered through forward and backward, a small part of the whole.
-MODEL = ModelConfig(arch="llama", n_layer=22, n_head=16, n_kv_head=4, d_model=1024, ffn_dim=3072, vocab_size=8192,
-                    seq_len=64)
+MODEL = ModelConfig.of(arch="llama", n_layer=22, n_head=16, n_kv_head=4, d_model=1024, ffn_dim=3072, vocab_size=8192,
+                       seq_len=64)
 MICRO_BATCH = 1
 
 
@@ -54,14 +54,14 @@ def main() -> None:
     res["init"] = status("VmHWM")
     if mode == "meta":
         g = torch.Generator().manual_seed(0)
-        x = torch.randint(0, MODEL.vocab_size, (MICRO_BATCH, MODEL.seq_len + 1), generator=g)
+        x = torch.randint(0, MODEL.overrides.vocab_size, (MICRO_BATCH, MODEL.overrides.seq_len + 1), generator=g)
         res["loss"] = engine.forward_backward([(x[:, :-1], x[:, 1:])])
         res["forward_backward"] = status("VmHWM")
         engine.step()
         res["step"] = status("VmHWM")
         est = estimate_stage(engine.module, EngineConfig(stage=3), 3, info.world_size, info.rank,
                              weight_decay=OptimizerConfig().weight_decay, micro_batch=MICRO_BATCH,
-                             seq_len=MODEL.seq_len)
+                             seq_len=MODEL.overrides.seq_len)
         res["estimated_first_step_peak"], res["optimizer_impl"] = est.first_step_peak, est.optimizer_impl
     (out / f"rank{info.rank}.json").write_text(json.dumps(res))
     shutdown()

@@ -11,7 +11,7 @@ import logging
 import sys
 
 import torch
-from shardstack.model.factory import build_model
+from shardstack.model.spec import build_model
 from shardstack.train.config import config_from_dict
 from shardstack.train.dist import init_distributed, leave_worker, shutdown
 from shardstack.train.engine import build_engine

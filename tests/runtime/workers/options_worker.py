@@ -20,7 +20,7 @@ from pathlib import Path
 
 import torch
 import torch.distributed.checkpoint as dcp
-from shardstack.model.factory import ModelConfig
+from shardstack.model.spec import ModelConfig
 from shardstack.train.build import build_on_meta
 from shardstack.train.config import EngineConfig, OptimizerConfig
 from shardstack.train.dist import init_distributed, leave_worker, shutdown
@@ -32,9 +32,9 @@ from torch._dynamo.utils import counters
 from torch.distributed.tensor import DTensor
 
 # 3 blocks: every_n 2 recomputes blocks 0 and 2
-GPT = ModelConfig(arch="gpt", n_layer=3, n_head=3, d_model=36, seq_len=15, vocab_size=256)
-LLAMA = ModelConfig(arch="llama", n_layer=3, n_head=4, n_kv_head=2, d_model=32, ffn_dim=64, seq_len=15,
-                    vocab_size=256)
+GPT = ModelConfig.of(arch="gpt", n_layer=3, n_head=3, d_model=36, seq_len=15, vocab_size=256)
+LLAMA = ModelConfig.of(arch="llama", n_layer=3, n_head=4, n_kv_head=2, d_model=32, ffn_dim=64, seq_len=15,
+                       vocab_size=256)
 VOCAB, SEQ = 256, 15
 STEPS, GLOBAL, MICRO = 4, 8, 2
 AC_FULL = {"activation_checkpointing": "full"}
@@ -102,9 +102,9 @@ def round_trip(src, dst_engine_kw: dict, stage: int, info, ckpt: Path, extra: to
 
 
 MEM_MODELS = {  # activations dominate: 4 blocks of 16 (GPT) or 21 (Llama) MiB each at micro-batch 8
-    "gpt": ModelConfig(arch="gpt", n_layer=4, n_head=4, d_model=128, seq_len=256, vocab_size=256),
-    "llama": ModelConfig(arch="llama", n_layer=4, n_head=4, n_kv_head=2, d_model=128, ffn_dim=384, seq_len=256,
-                         vocab_size=256),
+    "gpt": ModelConfig.of(arch="gpt", n_layer=4, n_head=4, d_model=128, seq_len=256, vocab_size=256),
+    "llama": ModelConfig.of(arch="llama", n_layer=4, n_head=4, n_kv_head=2, d_model=128, ffn_dim=384, seq_len=256,
+                            vocab_size=256),
 }
 
 
@@ -112,7 +112,7 @@ def measure_memory(out: Path, info) -> None:
     """Per architecture and AC mode: one forward/backward's loss and the peak RSS it added."""
     res: dict = {}
     for arch, mcfg in MEM_MODELS.items():
-        x = torch.randint(0, VOCAB, (8, mcfg.seq_len + 1), generator=torch.Generator().manual_seed(0))
+        x = torch.randint(0, VOCAB, (8, mcfg.overrides.seq_len + 1), generator=torch.Generator().manual_seed(0))
         mb = [(x[:, :-1].contiguous(), x[:, 1:].contiguous())]
         for ac in ("none", "full"):
             eng = new_engine(0, info, {"activation_checkpointing": ac}, {}, model=mcfg)
@@ -124,7 +124,7 @@ def measure_memory(out: Path, info) -> None:
             loss = eng.forward_backward(mb)
             peak = peak_rss_bytes() - before
             est = estimate_stage(eng.module, eng.cfg, 0, 1, 0, weight_decay=0.1, micro_batch=8,
-                                 seq_len=mcfg.seq_len)
+                                 seq_len=mcfg.overrides.seq_len)
             res[f"{arch}-{ac}"] = {"loss": loss, "peak": peak, "activations": est.activations}
             del eng
     torch.save(res, out / "mem.pt")

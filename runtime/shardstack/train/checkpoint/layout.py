@@ -35,6 +35,7 @@ from typing import Any
 from shardstack.errors import ShardstackError
 from shardstack.signing import SigningKey, signature_problem
 from shardstack.train.checkpoint.reader import DCP_METADATA, ChecksumMismatch, read_dcp_metadata
+from shardstack.train.config import JOB_NAME_RE
 
 log = logging.getLogger("shardstack.checkpoint")
 
@@ -45,7 +46,6 @@ STALE_RE = re.compile(r"^step_\d{8}\.(tmp|deleting)-[0-9a-f]+$")
 QUARANTINE_RE = re.compile(r"^step_(\d{8})\.invalid-([a-z0-9-]+?)(?:-[0-9a-f]{8})?$")
 SHARD_RE = re.compile(r"^__\d+_\d+\.distcp$")  # DCP's FileSystemWriter names: __<rank>_<n>.distcp
 _SHA256_RE = re.compile(r"^[0-9a-f]{64}$")
-JOB_NAME_RE = re.compile(r"^[a-z0-9][a-z0-9_-]{0,62}$")  # `train submit`'s rule (shardstack.ops.jobs.common.JOB_NAME)
 RUN_ID_RE = re.compile(r"^[0-9a-f]{32}$")
 # key → the JSON types it may have; a manifest with any other key, or a key of another type, is malformed.
 _FIELDS: dict[str, tuple[type, ...]] = {

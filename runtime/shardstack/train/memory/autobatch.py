@@ -35,7 +35,7 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 from shardstack.errors import ShardstackError
-from shardstack.model.factory import build_model
+from shardstack.model.spec import build_model
 from shardstack.train.config import JobConfig
 from shardstack.train.engine import Engine
 from shardstack.train.memory.estimate import estimate_stage

@@ -9,7 +9,7 @@ working set, activations and optimizer temporaries of a step. The formulas (docs
                                                        (its greedy largest-first partition, reproduced here)
   stage 2/3 params 4·Σ shard_r   grads 4·Σ shard_r    AdamW 8·Σ shard_r + 4T
 
-Tensor parallelism (engine.tensor_parallel K, stages 2/3): the projections a block's TP_PLAN splits hold 1/K of
+Tensor parallelism (engine.tensor_parallel K, stages 2/3): the projections its architecture's tp_plan splits hold 1/K of
 their columns (colwise: dim 0, rowwise: dim 1; torch.chunk sizes at the rank's "tp" coordinate) before FSDP2
 splits dim 0 over the N/K "dp" ranks; the other tensors are split over the N/K "dp" ranks only. The working
 parameters and the activations inside a block's attention and MLP shrink by K as well (block_widths).
@@ -34,9 +34,11 @@ import torch
 from torch import nn
 
 from shardstack.errors import ShardstackError
+from shardstack.model.decoder import arch_spec
 from shardstack.model.dtypes import to_dtype
-from shardstack.model.factory import build_model
 from shardstack.model.init import CHUNK_ELEMENTS
+from shardstack.model.shapes import GPTConfig, LlamaConfig
+from shardstack.model.spec import ModelShape, build_model
 from shardstack.train.config import EngineConfig, JobConfig
 from shardstack.train.optim import auto_impl, optimizer_param_groups
 from shardstack.train.parallelize import checkpointed_blocks, shard_units
@@ -92,7 +94,7 @@ def zero_partition(groups: list[list[torch.Tensor]], world: int) -> list[list[to
     return owned
 
 
-def block_widths(cfg: object, tp: int = 1) -> tuple[float, float]:
+def block_widths(cfg: ModelShape, tp: int = 1) -> tuple[float, float]:
     """(saved, gradients): what one block keeps for backward and the activation gradients of its backward, in d-wide
     tensors per token (t = b·s·d·e each). Counted with autograd's saved-tensor hooks on CPU (tests/runtime/
     test_estimate.py checks both architectures). f = MLP width / d, kv = key/value width / d.
@@ -105,12 +107,10 @@ def block_widths(cfg: object, tp: int = 1) -> tuple[float, float]:
     With `tp`-way tensor parallelism (Llama only) a rank keeps its heads' attention output, q, k, v and its slice of
     the SwiGLU tensors: 6 + (2 + 2·kv + 4·f) / tp saved, 1 + 3·f / tp gradients; the norms' tensors stay whole.
     """
-    d = getattr(cfg, "d_model", 0) or 1
-    ffn = getattr(cfg, "ffn_dim", None)
-    if ffn is not None:  # the Llama family
-        f, kv = ffn / d, getattr(cfg, "n_kv_head", 1) * getattr(cfg, "head_dim", d) / d
+    if isinstance(cfg, LlamaConfig):
+        f, kv = cfg.ffn_dim / cfg.d_model, cfg.n_kv_head * cfg.head_dim / cfg.d_model
         return 6 + (2 + 2 * kv + 4 * f) / tp, 1 + 3 * f / tp
-    f = getattr(cfg, "mlp_ratio", 4)
+    f = cfg.mlp_ratio if isinstance(cfg, GPTConfig) else 4
     return 8 + 2 * f, 1 + 2 * f
 
 
@@ -136,19 +136,22 @@ def _activation_terms(model: nn.Module, micro_batch: int, seq_len: int, compute_
                       tp: int = 1) -> tuple[int, ...]:
     """(layers, one d-wide tensor, one block's saved tensors, one block in backward: its saved tensors and their
     gradients, the head)."""
-    cfg = getattr(model, "config", None)
-    n_layer = getattr(cfg, "n_layer", len(getattr(model, "blocks", [])))
-    token = micro_batch * seq_len * getattr(cfg, "d_model", 0) * compute_bytes
+    cfg = model.config
+    n_layer = cfg.n_layer
+    token = micro_batch * seq_len * cfg.d_model * compute_bytes
     saved, grads = block_widths(cfg, tp)
-    logits = micro_batch * seq_len * getattr(cfg, "vocab_size", 0) * (compute_bytes + 8)
+    logits = micro_batch * seq_len * cfg.vocab_size * (compute_bytes + 8)
     return n_layer, token, round(saved * token), round((saved + grads) * token), logits
 
 
 def tp_split_dims(model: nn.Module) -> dict[int, int]:
-    """id(parameter) → the dim tensor parallelism splits it on, from each block's TP_PLAN (a rowwise bias is whole)."""
+    """id(parameter) → the dim tensor parallelism splits it on, from the architecture's tp_plan (a rowwise bias is
+    whole)."""
     dims: dict[int, int] = {}
+    spec = arch_spec(model)
+    plan = spec.tp_plan if spec is not None and spec.tp_plan is not None else {}
     for unit in shard_units(model):
-        for path, style in getattr(unit, "TP_PLAN", {}).items():
+        for path, style in plan.items():
             for name, p in unit.get_submodule(path).named_parameters(recurse=False):
                 if style == "colwise" or name == "weight":
                     dims[id(p)] = 0 if style == "colwise" else 1
@@ -275,7 +278,7 @@ def estimate(cfg: JobConfig, world: int, *, stages: list[int] | None = None, ran
         "cuda" if torch.cuda.is_available() else "cpu"
     with torch.device("meta"):
         model = build_model(cfg.model)
-    seq_len = model.config.seq_len if hasattr(model, "config") else 0
+    seq_len = model.config.seq_len
     tp = cfg.engine.tensor_parallel
     if world % tp:
         raise ShardstackError(f"config key 'engine.tensor_parallel' is {tp}, but the world size ({world}) is not "
