@@ -15,7 +15,7 @@ from shardstack.train.config import config_from_dict, load_config
 
 def test_defaults_round_trip():
     cfg = config_from_dict({})
-    assert cfg.engine.stage == 3 and cfg.engine.precision == "fp32" and cfg.checkpoint.dir is None
+    assert cfg.engine.stage == 3 and cfg.engine.precision == "auto" and cfg.checkpoint.dir is None
     assert config_from_dict(cfg.to_dict()) == cfg
 
 
@@ -56,7 +56,7 @@ def test_bad_configs_name_the_key(data, key, hint):
 
 
 def test_allowed_values_are_listed():
-    with pytest.raises(ShardstackError, match="one of 'fp32', 'bf16', 'fp16'"):
+    with pytest.raises(ShardstackError, match="one of 'auto', 'fp32', 'bf16', 'fp16'"):
         config_from_dict({"engine": {"precision": "fp8"}})
 
 

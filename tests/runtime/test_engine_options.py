@@ -36,7 +36,7 @@ COMPILE_RTOL, COMPILE_ATOL = 1e-6, 1e-4
         ({"activation_checkpointing": "every_n"}, "activation_checkpointing_every is not set"),
         ({"activation_checkpointing": "full", "activation_checkpointing_every": 2}, "applies to"),
         ({"activation_checkpointing": "every_n", "activation_checkpointing_every": 1}, "an integer ≥ 2"),
-        ({"activation_checkpointing": "selective"}, "one of 'none', 'full', 'every_n'"),
+        ({"activation_checkpointing": "selective"}, "one of 'auto', 'none', 'full', 'every_n'"),
         ({"compile": "yes"}, "expected true/false"),
     ],
 )

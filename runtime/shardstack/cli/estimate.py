@@ -44,8 +44,8 @@ def _cmd_estimate(args: argparse.Namespace) -> int:
     first = results[0]
     tp = cfg.engine.tensor_parallel
     mesh = f" = {world // tp} (dp) × {tp} (tp)" if tp > 1 else ""
-    print(f"per-rank memory, world size {world}{mesh}, precision {cfg.engine.precision}, offload {cfg.engine.offload}, "
-          f"micro-batch {first.micro_batch}, activation checkpointing {cfg.engine.activation_checkpointing} "
+    print(f"per-rank memory, world size {world}{mesh}, precision {first.precision}, offload {cfg.engine.offload}, "
+          f"micro-batch {first.micro_batch}, activation checkpointing {first.activation_checkpointing} "
           f"({first.checkpointed_blocks} blocks recomputed), AdamW {first.optimizer_impl} (formulas: docs/runtime.md)")
     cols = ("params", "grads", "optimizer", "= state", "working", "activations", "opt. temp", "peak", "first step",
             "init")

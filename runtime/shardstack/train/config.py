@@ -49,19 +49,29 @@ class DataConfig:
 class EngineConfig:
     stage: Literal[0, 1, 2, 3] = 3  # 0 DDP, 1 DDP+ZeroRedundancyOptimizer, 2/3 FSDP2 without/with reshard
     offload: Literal["none", "cpu"] = "none"  # cpu: FSDP2 CPUOffloadPolicy (stages 2 and 3 only)
-    precision: Literal["fp32", "bf16", "fp16"] = "fp32"
+    # auto: bf16 on CUDA (tensor cores; master weights and optimizer state stay fp32), fp32 on CPU
+    precision: Literal["auto", "fp32", "bf16", "fp16"] = "auto"
     prefetch: int = 1  # FSDP2: how many blocks ahead to all-gather (1 = FSDP2's implicit prefetch)
     reshard_group: int | None = None  # stage 3: reshard to groups of this many ranks after forward (e.g. per node)
     bucket_mb: float = 25.0  # DDP gradient bucket size (stages 0 and 1)
     accumulation_sync: Literal["last", "every"] = "last"  # reduce gradients on the last micro-batch or every one
     device: Literal["auto", "cpu", "cuda"] = "auto"
     # Recompute block activations in backward instead of keeping them: every block, or blocks 0, N, 2N, …
-    activation_checkpointing: Literal["none", "full", "every_n"] = "none"
+    # auto: full on CUDA (at long sequences activations, not shards, fill a GPU), none on CPU
+    activation_checkpointing: Literal["auto", "none", "full", "every_n"] = "auto"
     activation_checkpointing_every: int | None = None  # N for every_n (required there, ≥ 2: every 1 block is full)
     compile: bool = False  # torch.compile (inductor) each block before it is wrapped
     # K > 1: a (world/K) × K mesh ("dp", "tp"); each block's attention heads and MLP columns split over the K ranks
     # of a "tp" group (torch tensor parallel), FSDP2 shards over "dp". Llama, stages 2/3 only (docs/runtime.md).
     tensor_parallel: int = 1
+
+    def for_device(self, device_type: str) -> EngineConfig:
+        """This config with its `auto` settings settled for the device the job trains on (cuda or cpu)."""
+        gpu = device_type == "cuda"
+        return dataclasses.replace(
+            self, precision=("bf16" if gpu else "fp32") if self.precision == "auto" else self.precision,
+            activation_checkpointing=(("full" if gpu else "none") if self.activation_checkpointing == "auto"
+                                      else self.activation_checkpointing))
 
 
 @dataclass

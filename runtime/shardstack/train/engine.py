@@ -272,6 +272,7 @@ def build_engine(model: nn.Module, engine_cfg: EngineConfig, optim_cfg: Optimize
     device)` allocates and fills it: before DDP for stages 0/1, which replicate the whole model anyway, and after
     fully_shard for stages 2/3, where each rank allocates only its shards (on the host with CPU offload).
     """
+    engine_cfg = engine_cfg.for_device(dist_info.device.type)
     on_meta = any(p.is_meta for p in model.parameters())
     if on_meta and materialize is None:
         raise ValueError("a model on the meta device needs `materialize`")

@@ -67,6 +67,7 @@ def prepare_blocks(blocks: Sequence[nn.Module], engine_cfg: EngineConfig, device
     recompute, which calls the original forward directly. Compile traces through the checkpoint (as a higher-order
     op), so the compiled backward recomputes inside one graph; identical blocks share one compiled graph.
     """
+    engine_cfg = engine_cfg.for_device(device.type)
     if engine_cfg.compile:
         problem = inductor_problem(device.type)
         if problem:
@@ -113,6 +114,7 @@ def parallelize(model: nn.Module, engine_cfg: EngineConfig, dist_info: DistInfo)
     """Wrap `model` for `engine_cfg.stage`: a DDP wrapper for stages 0/1 (the model, initialised identically on every
     rank, moves to the device), or the model itself, sharded in place by FSDP2, for 2/3 (still on the meta device
     when the trainer built it there: build_engine materialises the shards afterwards)."""
+    engine_cfg = engine_cfg.for_device(dist_info.device.type)
     stage = engine_cfg.stage
     dev = dist_info.device
     prepare_blocks(shard_units(model), engine_cfg, dev)

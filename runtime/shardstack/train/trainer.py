@@ -6,6 +6,7 @@ the checkpointer. After the first step it logs the estimator's per-rank bytes ne
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
 import random
@@ -170,6 +171,7 @@ def train(cfg: JobConfig, max_steps: int | None = None, *, out=None) -> TrainRes
     """Train until schedule.total_steps (or `max_steps` more steps). Works alone or under torchrun."""
     out = out or sys.stdout
     info = init_distributed(cfg.engine.device)
+    cfg = dataclasses.replace(cfg, engine=cfg.engine.for_device(info.device.type))  # what the log and autobatch say
     if info.device.type == "cpu":
         # FSDP frees and re-allocates every block's gathered weights each step; glibc's adaptive mmap threshold would
         # keep those buffers in a heap that never shrinks, and the RSS would creep past what the shards need.

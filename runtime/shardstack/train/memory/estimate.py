@@ -67,6 +67,8 @@ class StageEstimate:
     offloaded: int  # of `total`, what CPUOffloadPolicy keeps in host memory
     micro_batch: int
     checkpointed_blocks: int  # blocks whose activations are recomputed in backward
+    precision: str  # engine.precision as the device settles `auto`
+    activation_checkpointing: str  # the same for engine.activation_checkpointing
 
 
 def _chunk_rows(rows: int, world: int, rank: int) -> int:
@@ -184,6 +186,7 @@ def estimate_stage(model: nn.Module, engine: EngineConfig, stage: int, world: in
                               f"it (stage {stage}, world size {world})")
     params = [p for p in model.parameters() if p.requires_grad]
     device_type = device_type or (params[0].device.type if params else "cpu")
+    engine = engine.for_device(device_type)
     # Offloaded parameters live on the host, and so does their optimizer step.
     impl = optimizer_impl if optimizer_impl != "auto" else auto_impl("cpu" if engine.offload == "cpu" else device_type)
     n_elem = sum(p.numel() for p in params)
@@ -266,7 +269,8 @@ def estimate_stage(model: nn.Module, engine: EngineConfig, stage: int, world: in
                          working_params=working, accumulation_grads=accumulation_grads, activations=act,
                          optimizer_impl=impl, optimizer_temporaries=temps, peak=peak, first_step_peak=first,
                          init_peak=init, offloaded=offloaded, micro_batch=micro_batch,
-                         checkpointed_blocks=len(recomputed))
+                         checkpointed_blocks=len(recomputed), precision=engine.precision,
+                         activation_checkpointing=engine.activation_checkpointing)
 
 
 def estimate(cfg: JobConfig, world: int, *, stages: list[int] | None = None, rank: int | None = None,
