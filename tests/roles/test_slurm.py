@@ -46,7 +46,7 @@ def test_slurm_conf_nodes_gres_and_partition(role_eval: Any, debian_container: d
             "ThreadsPerCore=2 RealMemory=500000 Gres=gpu:2 State=UNKNOWN") in lines
     cpu_line = next(line for line in lines if line.startswith("NodeName=cpu01"))
     assert "Gres=" not in cpu_line and "RealMemory=250000" in cpu_line  # CPU-only nodes declare no GRES
-    assert "PartitionName=train Nodes=gpu01,cpu01 Default=YES MaxTime=INFINITE State=UP" in lines
+    assert "PartitionName=train Nodes=gpu01,cpu01 Default=YES MaxTime=INFINITE GraceTime=300 State=UP" in lines
     assert lines[-1] == "Include /etc/slurm/scheduling.conf"
 
 
@@ -105,8 +105,10 @@ def test_this_node_without_slurmd_uses_ansible_facts_and_the_floor(
 def test_scheduling_conf_requeue_and_priorities(role_eval: Any, debian_container: dict) -> None:
     r = _cluster(role_eval, debian_container, slurm_extra_config={"MaxJobCount": 20000})
     lines = _lines(r.render("scheduling.conf.j2"))
-    assert {"JobRequeue=1", "ReturnToService=1", "SlurmdTimeout=300", "KillWait=60",
+    assert {"JobRequeue=1", "ReturnToService=1", "SlurmdTimeout=300", "KillWait=330",
             "PriorityWeightFairshare=10000", "SchedulerType=sched/backfill"} <= set(lines)
+    # A preempted training job gets its SIGUSR1 at once and GraceTime (slurm.conf) to save a checkpoint.
+    assert "PreemptParameters=send_user_signal" in lines
     assert lines[-1] == "MaxJobCount=20000"
 
 

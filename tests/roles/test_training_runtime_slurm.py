@@ -71,3 +71,35 @@ def test_the_step_gets_every_cpu_of_the_job_unbound(tmp_path: Path, role_eval: A
                                 "--cpu-bind=none"]
     torchrun = next(c for c in calls if c["name"] == "torchrun")
     assert "--nproc-per-node=8" in torchrun["argv"] and "--nnodes=2" in torchrun["argv"]
+
+
+def test_workers_get_sigusr1_the_grace_before_the_limit_and_the_agent_survives_it(
+    tmp_path: Path, role_eval: Any, debian_container: dict
+) -> None:
+    """sbatch --signal=USR1@grace without B: Slurm signals every process of the steps; the agent must ignore it (its
+    default action is to die, killing the workers mid-save), and must wait the grace, not 30 s, after SIGTERM."""
+    text, calls = _run(tmp_path, role_eval, debian_container, {"SLURM_JOB_CPUS_PER_NODE": "8"},
+                       training_runtime_checkpoint_grace_seconds=600)
+    lines = text.splitlines()
+    directive = lines.index("#SBATCH --signal=USR1@600")
+    # sbatch reads #SBATCH lines only before the script's first command.
+    assert all(line.startswith("#") for line in lines[:directive])
+    torchrun = next(c for c in calls if c["name"] == "torchrun")
+    assert torchrun["sig_ign"] & (1 << (10 - 1)), "SIGUSR1 (10) is not ignored by the torchrun agent"
+    assert "--shutdown-timeout=600" in torchrun["argv"]
+
+
+def test_the_grace_defaults_fit_in_slurms_kill_wait(role_eval: Any, debian_container: dict) -> None:
+    grace = int(role_eval("training_runtime", debian_container)["training_runtime_checkpoint_grace_seconds"])
+    slurm = role_eval("slurm", debian_container)
+    assert grace >= 300
+    # SIGTERM (scancel, requeue, time limit): torchrun waits `grace` for its workers inside KillWait.
+    assert int(slurm["slurm_kill_wait"]) >= grace + 30
+    assert int(slurm["slurm_preempt_grace_time"]) >= grace
+
+
+def test_the_systemd_unit_waits_the_grace_too(role_eval: Any, debian_container: dict) -> None:
+    unit = role_eval("training_runtime", debian_container, __training_runtime_nproc=8,
+                     training_runtime_checkpoint_grace_seconds=400).render("shardstack-train@.service.j2")
+    assert "--shutdown-timeout=400" in unit
+    assert "TimeoutStopSec=430" in unit.splitlines()
