@@ -103,3 +103,10 @@ def test_the_systemd_unit_waits_the_grace_too(role_eval: Any, debian_container: 
                      training_runtime_checkpoint_grace_seconds=400).render("shardstack-train@.service.j2")
     assert "--shutdown-timeout=400" in unit
     assert "TimeoutStopSec=430" in unit.splitlines()
+
+
+def test_train_env_sets_the_process_group_timeout(role_eval: Any, debian_container: dict) -> None:
+    """Both schedulers read train.env (the unit's EnvironmentFile=, the batch script's step sources it)."""
+    env = role_eval("training_runtime", {**debian_container, "processor_vcpus": 16}, __training_runtime_nproc=8,
+                    __training_runtime_ifname="").render("train.env.j2")
+    assert "SHARDSTACK_PROCESS_GROUP_TIMEOUT_SECONDS=1800" in env.splitlines()
