@@ -40,6 +40,30 @@ def _timeout(value: str | None, launcher: bool) -> subprocess.CompletedProcess:
     return subprocess.run([sys.executable, "-c", PROBE], env=env, capture_output=True, text=True, timeout=120)
 
 
+ASYNC_PROBE = """
+import dataclasses, torch
+from shardstack.train.checkpoint.checkpointer import Checkpointer
+from shardstack.train.config import CheckpointConfig
+from shardstack.train.dist import init_distributed
+init_distributed("cpu")
+cfg = CheckpointConfig(dir={root!r}, async_save=True, require_signature=False)
+ckpt = Checkpointer(cfg, config_hash="cafe", job="j", stage=3, job_config={{}})
+print(int(ckpt._pg._get_backend(torch.device("cpu")).options._timeout.total_seconds()))
+"""
+
+
+def test_the_async_save_group_has_the_same_timeout(tmp_path: Path) -> None:
+    """Async saves run their collectives on a gloo group of their own, which does not inherit the default group's
+    timeout: they are the ones that wait on NFS."""
+    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK")}
+    env.update(PYTHONPATH=str(RUNTIME), SHARDSTACK_PROCESS_GROUP_TIMEOUT_SECONDS="2700", RANK="0", WORLD_SIZE="1",
+               LOCAL_RANK="0", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(_free_port()))
+    done = subprocess.run([sys.executable, "-c", ASYNC_PROBE.format(root=str(tmp_path / "ckpt"))], env=env,
+                          capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.split()[-1] == "2700"
+
+
 @pytest.mark.parametrize("launcher", [False, True])
 def test_the_group_waits_as_long_as_the_role_says(launcher: bool) -> None:
     done = _timeout("1800", launcher)

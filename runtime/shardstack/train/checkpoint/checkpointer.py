@@ -55,6 +55,7 @@ from shardstack.train.checkpoint.reader import (
     WeightsOnlyLoadPlanner,
     dcp_failure,
 )
+from shardstack.train.dist import process_group_timeout
 
 if TYPE_CHECKING:
     from shardstack.train.config import CheckpointConfig
@@ -154,8 +155,11 @@ class Checkpointer:
             self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="shardstack-ckpt")
             if self._distributed:
                 # Async uploads run collectives from a background thread: give them their own gloo group so they
-                # can never interleave with the training loop's collectives on the default group.
-                self._pg = torch.distributed.new_group(backend="gloo")
+                # can never interleave with the training loop's collectives on the default group. Its timeout is
+                # the job's (a new group does not inherit the default group's): these are the NFS-bound ones.
+                timeout = process_group_timeout()
+                self._pg = torch.distributed.new_group(backend="gloo",
+                                                       **({"timeout": timeout} if timeout is not None else {}))
 
     def _open_key(self) -> SigningKey | None:
         """Every rank reads the key (any rank may be rank 0 after a restart); one rank's failure fails them all."""
