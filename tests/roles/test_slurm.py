@@ -241,3 +241,22 @@ def test_no_cores_rather_than_wrong_ones(role_eval: Any, hardware: Any, debian_c
     everywhere = [line.replace("0-55,112-167", "0-223").replace("56-111,168-223", "0-223") for line in _hgx_topology()]
     gpus = _hgx(role_eval, hardware, debian_container, everywhere)["__slurm_this_node"]["gpus"]
     assert [g["cores"] for g in gpus] == [""] * 8 and len(gpus) == 8
+
+
+def test_slurmd_on_gpu_nodes_waits_for_the_device_files_gres_conf_names(role_eval: Any,
+                                                                        debian_container: dict) -> None:
+    """slurmd exits (fatal: can't stat gres.conf file /dev/nvidia0) when a File= is missing, which the first deploy
+    now declares before the driver may have created them: the drop-in creates them at start and retries."""
+    import configparser
+
+    text = _cluster(role_eval, debian_container, inventory_hostname="gpu01").render("slurmd-gpu.conf.j2")
+    unit = configparser.ConfigParser(strict=False, interpolation=None)
+    unit.optionxform = str  # type: ignore[assignment]
+    unit.read_string(text)
+    assert unit["Service"]["ExecStartPre"] == "-/usr/bin/nvidia-smi -L"  # "-": a failure only delays the start
+    assert unit["Service"]["Restart"] == "on-failure" and unit["Unit"]["StartLimitIntervalSec"] == "0"
+    tasks = yaml.safe_load((Path(__file__).resolve().parents[2] / "roles/slurm/tasks/configure.yml").read_text())
+    by_name = {t["name"]: t for t in tasks}
+    dropin = by_name["Configure - slurmd waits for the GPUs' device files"]
+    assert "__slurm_node.gpus | length > 0" in dropin["when"] and "slurm restart" in dropin["notify"]
+    assert by_name["Configure - no GPU drop-in on nodes without GPUs"]["ansible.builtin.file"]["state"] == "absent"
