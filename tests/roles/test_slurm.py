@@ -16,7 +16,7 @@ def _lines(text: str) -> list[str]:
     return [line for line in text.splitlines() if line and not line.startswith("#")]
 
 
-def _node(name: str, addr: str, gpus: list[str], memory: int = 500000) -> dict[str, Any]:
+def _node(name: str, addr: str, gpus: list[dict[str, str]], memory: int = 500000) -> dict[str, Any]:
     return {"name": name, "addr": addr, "cpus": 64, "boards": 1, "sockets_per_board": 2, "cores_per_socket": 16,
             "threads_per_core": 2, "real_memory": memory, "gpus": gpus}
 
@@ -27,7 +27,8 @@ def _cluster(role_eval: Any, facts: dict, *, containers: bool = False, **kw: Any
     hostvars = {
         "ops01": {"ansible_host": "192.0.2.5", "ansible_facts": {"hostname": "ops01", "virtualization_type": virt}},
         "gpu01": {"ansible_host": "192.0.2.11", "ansible_facts": {"hostname": "gpu01", "virtualization_type": virt},
-                  "__slurm_node": _node("gpu01", "192.0.2.11", ["/dev/nvidia0", "/dev/nvidia1"])},
+                  "__slurm_node": _node("gpu01", "192.0.2.11", [{"file": "/dev/nvidia0", "cores": "0-15"},
+                                                                {"file": "/dev/nvidia1", "cores": ""}])},
         "cpu01": {"ansible_host": "192.0.2.12", "ansible_facts": {"hostname": "cpu01", "virtualization_type": virt},
                   "__slurm_node": _node("cpu01", "192.0.2.12", [], memory=250000)},
     }
@@ -46,7 +47,7 @@ def test_slurm_conf_nodes_gres_and_partition(role_eval: Any, debian_container: d
             "ThreadsPerCore=2 RealMemory=500000 Gres=gpu:2 State=UNKNOWN") in lines
     cpu_line = next(line for line in lines if line.startswith("NodeName=cpu01"))
     assert "Gres=" not in cpu_line and "RealMemory=250000" in cpu_line  # CPU-only nodes declare no GRES
-    assert "PartitionName=train Nodes=gpu01,cpu01 Default=YES MaxTime=INFINITE State=UP" in lines
+    assert "PartitionName=train Nodes=gpu01,cpu01 Default=YES MaxTime=INFINITE GraceTime=300 State=UP" in lines
     assert lines[-1] == "Include /etc/slurm/scheduling.conf"
 
 
@@ -71,7 +72,9 @@ def test_cgroup_plugins_on_real_nodes_linuxproc_in_containers(role_eval: Any, de
 
 def test_gres_conf_lists_each_gpu_of_gpu_nodes_only(role_eval: Any, debian_container: dict) -> None:
     lines = _lines(_cluster(role_eval, debian_container).render("gres.conf.j2"))
-    assert lines == ["NodeName=gpu01 Name=gpu File=/dev/nvidia0", "NodeName=gpu01 Name=gpu File=/dev/nvidia1"]
+    # Cores= only where the GPU is near some cores, not all.
+    assert lines == ["NodeName=gpu01 Name=gpu File=/dev/nvidia0 Cores=0-15",
+                     "NodeName=gpu01 Name=gpu File=/dev/nvidia1"]
 
 
 def test_this_node_from_slurmd_c_with_memory_headroom_and_gpus_in_numeric_order(
@@ -88,7 +91,8 @@ def test_this_node_from_slurmd_c_with_memory_headroom_and_gpus_in_numeric_order(
         "real_memory": 515000 - 10300,  # 2 % of 515000 is more than the 1024 MiB floor
     }
     assert node["name"] == "gpu01" and node["addr"] == "192.0.2.11"
-    assert node["gpus"] == ["/dev/nvidia0", "/dev/nvidia1", "/dev/nvidia2", "/dev/nvidia10"]
+    # No PCI functions to count (nothing to read them from): the device files, in numeric order.
+    assert [g["file"] for g in node["gpus"]] == ["/dev/nvidia0", "/dev/nvidia1", "/dev/nvidia2", "/dev/nvidia10"]
 
 
 def test_this_node_without_slurmd_uses_ansible_facts_and_the_floor(
@@ -105,8 +109,10 @@ def test_this_node_without_slurmd_uses_ansible_facts_and_the_floor(
 def test_scheduling_conf_requeue_and_priorities(role_eval: Any, debian_container: dict) -> None:
     r = _cluster(role_eval, debian_container, slurm_extra_config={"MaxJobCount": 20000})
     lines = _lines(r.render("scheduling.conf.j2"))
-    assert {"JobRequeue=1", "ReturnToService=1", "SlurmdTimeout=300", "KillWait=60",
+    assert {"JobRequeue=1", "ReturnToService=1", "SlurmdTimeout=300", "KillWait=330",
             "PriorityWeightFairshare=10000", "SchedulerType=sched/backfill"} <= set(lines)
+    # A preempted training job gets its SIGUSR1 at once and GraceTime (slurm.conf) to save a checkpoint.
+    assert "PreemptParameters=send_user_signal" in lines
     assert lines[-1] == "MaxJobCount=20000"
 
 
@@ -149,3 +155,108 @@ def test_credential_stores_are_files_the_inventory_parser_skips() -> None:
     assert {"munge_key_store", "slurm_db_password_store", "inference_service_token_store"} <= set(stores)
     # The TLS stores are directories (their files are named *.txt by the roles that write them).
     assert all(str(v).endswith(".txt") for k, v in stores.items() if not k.endswith("_tls_store")), stores
+
+
+# An HGX node as slurmd -C sees it: 2 sockets × 56 cores × 2 threads. Linux numbers the first thread of every core
+# socket by socket (0-55, 56-111), then their siblings (112-167, 168-223); Intel's core_ids have gaps.
+HGX_SLURMD_C = ("NodeName=gpu01 CPUs=224 Boards=1 SocketsPerBoard=2 CoresPerSocket=56 ThreadsPerCore=2 "
+                "RealMemory=2063000")
+HGX_GPUS = [f"/sys/bus/pci/devices/0000:{bus}:00.0" for bus in ("18", "2a", "3a", "5d", "9a", "ab", "ba", "db")]
+HGX_SWITCHES = [f"/sys/bus/pci/devices/0000:{bus}:00.0" for bus in ("05", "06", "07", "08")]
+
+
+def _hgx_topology() -> list[str]:
+    lines = []
+    for cpu in range(224):
+        core = cpu % 112
+        lines += [f"/sys/devices/system/cpu/cpu{cpu}/topology/physical_package_id:{core // 56}",
+                  f"/sys/devices/system/cpu/cpu{cpu}/topology/core_id:{(core % 56) * 2}"]
+    for i, gpu in enumerate(HGX_GPUS):
+        lines.append(f"{gpu}/local_cpulist:{'0-55,112-167' if i < 4 else '56-111,168-223'}")
+    return lines
+
+
+def _hgx(role_eval: Any, hardware: Any, debian_container: dict, topology: list[str], devnodes=()) -> Any:
+    facts = {**debian_container, "hostname": "gpu01", "virtualization_type": "kvm"}
+    return _cluster(role_eval, facts, inventory_hostname="gpu01", ansible_host="192.0.2.11",
+                    __slurm_hw={"rc": 0, "stdout_lines": [HGX_SLURMD_C]},
+                    __slurm_topology={"stdout_lines": topology},
+                    shardstack_hardware=hardware(pci=tuple(f"{g}/vendor" for g in HGX_GPUS), devnodes=devnodes,
+                                                 nvswitch=tuple(HGX_SWITCHES)))
+
+
+def test_first_run_counts_gpus_from_pci_before_any_driver_with_the_cores_near_each(
+    role_eval: Any, hardware: Any, debian_container: dict
+) -> None:
+    """The first deploy probes before the driver exists: no /dev/nvidia<N> yet, so GRES came out empty and
+    `--gres=gpu:8` was refused until a second run. The PCI functions (display/3D class; NVSwitches are bridges)
+    give 8 GPUs at once, each with the cores of its socket as Slurm numbers them."""
+    r = _hgx(role_eval, hardware, debian_container, _hgx_topology())
+    gpus = r["__slurm_this_node"]["gpus"]
+    assert [g["file"] for g in gpus] == [f"/dev/nvidia{i}" for i in range(8)]
+    assert [g["cores"] for g in gpus] == ["0-55"] * 4 + ["56-111"] * 4
+    nodes = {"gpu01": {**r["__slurm_this_node"], "name": "gpu01"}}
+    hostvars = {"ops01": {"ansible_host": "192.0.2.5", "ansible_facts": {"hostname": "ops01",
+                                                                        "virtualization_type": "kvm"}},
+                "gpu01": {"ansible_host": "192.0.2.11", "ansible_facts": {"hostname": "gpu01",
+                                                                         "virtualization_type": "kvm"},
+                          "__slurm_node": nodes["gpu01"]}}
+    conf = role_eval("slurm", debian_container, groups={"all": list(hostvars), "slurm_controller": ["ops01"],
+                                                        "train_nodes": ["gpu01"]},
+                     hostvars=hostvars, inventory_hostname="ops01", slurm_db_password="s3cret-password-0123")
+    assert _lines(conf.render("gres.conf.j2"))[::7] == ["NodeName=gpu01 Name=gpu File=/dev/nvidia0 Cores=0-55",
+                                                        "NodeName=gpu01 Name=gpu File=/dev/nvidia7 Cores=56-111"]
+    node_line = next(line for line in _lines(conf.render("slurm.conf.j2")) if line.startswith("NodeName=gpu01"))
+    assert " Gres=gpu:8 " in node_line and "CPUs=224" in node_line
+    # Once the driver has made the device files the answer is the same.
+    again = _hgx(role_eval, hardware, debian_container, _hgx_topology(),
+                 devnodes=tuple(f"/dev/nvidia{i}" for i in range(8)))
+    assert again["__slurm_this_node"]["gpus"] == gpus
+
+
+def test_cores_are_slurms_core_indexes_not_cpu_numbers(role_eval: Any, hardware: Any,
+                                                       debian_container: dict) -> None:
+    """CPUs numbered alternately across the two sockets (some BIOSes do): Slurm numbers cores socket by socket, so
+    socket 0's CPUs 0,2,…,110 are its cores 0-55, whatever their CPU numbers."""
+    lines = []
+    for cpu in range(224):
+        core = cpu % 112
+        lines += [f"/sys/devices/system/cpu/cpu{cpu}/topology/physical_package_id:{core % 2}",
+                  f"/sys/devices/system/cpu/cpu{cpu}/topology/core_id:{core // 2}"]
+    socket0 = ",".join(str(c) for c in range(0, 224, 2))
+    socket1 = ",".join(str(c) for c in range(1, 224, 2))
+    lines += [f"{gpu}/local_cpulist:{socket0 if i % 2 == 0 else socket1}" for i, gpu in enumerate(HGX_GPUS)]
+    gpus = _hgx(role_eval, hardware, debian_container, lines)["__slurm_this_node"]["gpus"]
+    assert [g["cores"] for g in gpus] == ["0-55", "56-111"] * 4
+
+
+def test_no_cores_rather_than_wrong_ones(role_eval: Any, hardware: Any, debian_container: dict) -> None:
+    """No topology read (or one that disagrees with slurmd -C, or a GPU near every core): GPUs without Cores=."""
+    none = _hgx(role_eval, hardware, debian_container, [])["__slurm_this_node"]["gpus"]
+    assert [g["cores"] for g in none] == [""] * 8
+    # A core missing (CPUs 111 and 223, offline): 111 cores, not slurmd's 112, so the indexes cannot be trusted.
+    partial = [line for line in _hgx_topology() if "/cpu111/" not in line and "/cpu223/" not in line]
+    gpus = _hgx(role_eval, hardware, debian_container, partial)["__slurm_this_node"]["gpus"]
+    assert [g["cores"] for g in gpus] == [""] * 8
+    everywhere = [line.replace("0-55,112-167", "0-223").replace("56-111,168-223", "0-223") for line in _hgx_topology()]
+    gpus = _hgx(role_eval, hardware, debian_container, everywhere)["__slurm_this_node"]["gpus"]
+    assert [g["cores"] for g in gpus] == [""] * 8 and len(gpus) == 8
+
+
+def test_slurmd_on_gpu_nodes_waits_for_the_device_files_gres_conf_names(role_eval: Any,
+                                                                        debian_container: dict) -> None:
+    """slurmd exits (fatal: can't stat gres.conf file /dev/nvidia0) when a File= is missing, which the first deploy
+    now declares before the driver may have created them: the drop-in creates them at start and retries."""
+    import configparser
+
+    text = _cluster(role_eval, debian_container, inventory_hostname="gpu01").render("slurmd-gpu.conf.j2")
+    unit = configparser.ConfigParser(strict=False, interpolation=None)
+    unit.optionxform = str  # type: ignore[assignment]
+    unit.read_string(text)
+    assert unit["Service"]["ExecStartPre"] == "-/usr/bin/nvidia-smi -L"  # "-": a failure only delays the start
+    assert unit["Service"]["Restart"] == "on-failure" and unit["Unit"]["StartLimitIntervalSec"] == "0"
+    tasks = yaml.safe_load((Path(__file__).resolve().parents[2] / "roles/slurm/tasks/configure.yml").read_text())
+    by_name = {t["name"]: t for t in tasks}
+    dropin = by_name["Configure - slurmd waits for the GPUs' device files"]
+    assert "__slurm_node.gpus | length > 0" in dropin["when"] and "slurm restart" in dropin["notify"]
+    assert by_name["Configure - no GPU drop-in on nodes without GPUs"]["ansible.builtin.file"]["state"] == "absent"

@@ -1,5 +1,6 @@
 """Filters of shardstack_common: the hardware probe's output as the fact, the distribution's apt sources with
-the components the NVIDIA packages need, and the primary keys of a repository's signing key file."""
+the components the NVIDIA packages need, the primary keys of a repository's signing key file, and what stands in the
+way of the service account's pinned ids."""
 
 from __future__ import annotations
 
@@ -122,7 +123,27 @@ def gpg_primary_fingerprints(lines: list[str]) -> list[str]:
     return out
 
 
+def account_problems(passwd: dict[str, list[str]], groups: dict[str, list[str]], user: str, group: str,
+                     uid: Any, gid: Any) -> list[str]:
+    """Why the service account cannot be created or kept with the pinned ids on this node, from `getent passwd` and
+    `getent group` (ansible_facts.getent_*: name → [password, id, …]); [] when nothing stands in the way. Changing
+    the ids of an existing account would orphan its files, so that is the operator's step, never the play's."""
+    uid, gid = str(uid), str(gid)
+    out = []
+    have = (passwd.get(user) or [None, None])[1]
+    if have is not None and str(have) != uid:
+        out.append(f"the account {user} exists with uid {have}, not shardstack_uid {uid}")
+    have = (groups.get(group) or [None, None])[1]
+    if have is not None and str(have) != gid:
+        out.append(f"the group {group} exists with gid {have}, not shardstack_gid {gid}")
+    out += [f"uid {uid} belongs to the account {name}" for name, entry in sorted(passwd.items())
+            if name != user and len(entry) > 1 and str(entry[1]) == uid]
+    out += [f"gid {gid} belongs to the group {name}" for name, entry in sorted(groups.items())
+            if name != group and len(entry) > 1 and str(entry[1]) == gid]
+    return out
+
+
 class FilterModule:
     def filters(self) -> dict[str, Any]:
-        return {"shardstack_hardware_fact": hardware, "shardstack_apt_entries": apt_entries,
+        return {"shardstack_hardware_fact": hardware, "shardstack_account_problems": account_problems, "shardstack_apt_entries": apt_entries,
                 "shardstack_apt_changes": apt_changes, "shardstack_gpg_primary_fingerprints": gpg_primary_fingerprints}

@@ -14,6 +14,7 @@ import logging
 import os
 import sys
 from dataclasses import dataclass
+from datetime import timedelta
 
 import torch
 import torch.distributed as dist
@@ -23,6 +24,26 @@ from shardstack.accel import decide_device, probe
 from shardstack.errors import ShardstackError
 
 log = logging.getLogger("shardstack.dist")
+
+# Seconds a collective may wait before the process group gives up (the training_runtime role renders it into
+# train.env). torch's default, 10 minutes, is shorter than a rank can spend in a checkpoint save's collectives while
+# another writes 100B-class state to NFS; unset keeps torch's default.
+PG_TIMEOUT_ENV = "SHARDSTACK_PROCESS_GROUP_TIMEOUT_SECONDS"
+
+
+def process_group_timeout() -> timedelta | None:
+    """The process group's timeout from the environment, or None (torch's default)."""
+    raw = os.environ.get(PG_TIMEOUT_ENV, "").strip()
+    if not raw:
+        return None
+    try:
+        seconds = int(raw)
+    except ValueError:
+        seconds = 0
+    if seconds <= 0:
+        raise ShardstackError(f"{PG_TIMEOUT_ENV} is {raw!r}, not a positive number of seconds",
+                              hint="set training_runtime_process_group_timeout_seconds to a whole number > 0")
+    return timedelta(seconds=seconds)
 
 
 @dataclass(frozen=True)
@@ -97,11 +118,13 @@ def init_distributed(device: str = "auto") -> DistInfo:
     local_rank = int(env.get("LOCAL_RANK", rank))
     dev, backend, what = _pick_device(device, local_rank)
     if not dist.is_initialized():
+        timeout = process_group_timeout()
+        extra = {"timeout": timeout} if timeout is not None else {}
         if under_launcher:
             dist.init_process_group(backend, device_id=dev if dev.type == "cuda" else None,
-                                    **_elastic_store_kwargs(rank))
+                                    **_elastic_store_kwargs(rank), **extra)
         else:
-            dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1)
+            dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1, **extra)
     else:
         backend = dist.get_backend()
     info = DistInfo(rank=dist.get_rank(), world_size=dist.get_world_size(), local_rank=local_rank, device=dev,

@@ -49,7 +49,13 @@ from shardstack.train.checkpoint.layout import (
     verify_checkpoint,
     write_json_durable,
 )
-from shardstack.train.checkpoint.reader import CheckpointReader, WeightsOnlyLoadPlanner, dcp_failure
+from shardstack.train.checkpoint.reader import (
+    CheckpointReader,
+    ChecksumMismatch,
+    WeightsOnlyLoadPlanner,
+    dcp_failure,
+)
+from shardstack.train.dist import process_group_timeout
 
 if TYPE_CHECKING:
     from shardstack.train.config import CheckpointConfig
@@ -149,8 +155,11 @@ class Checkpointer:
             self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="shardstack-ckpt")
             if self._distributed:
                 # Async uploads run collectives from a background thread: give them their own gloo group so they
-                # can never interleave with the training loop's collectives on the default group.
-                self._pg = torch.distributed.new_group(backend="gloo")
+                # can never interleave with the training loop's collectives on the default group. Its timeout is
+                # the job's (a new group does not inherit the default group's): these are the NFS-bound ones.
+                timeout = process_group_timeout()
+                self._pg = torch.distributed.new_group(backend="gloo",
+                                                       **({"timeout": timeout} if timeout is not None else {}))
 
     def _open_key(self) -> SigningKey | None:
         """Every rank reads the key (any rank may be rank 0 after a restart); one rank's failure fails them all."""
@@ -215,18 +224,16 @@ class Checkpointer:
         if self.rank == 0:
             self.root.mkdir(parents=True, exist_ok=True)
             self._remove_stale()
+        t0 = time.monotonic()
         if self.cfg.resume == "auto":
-            chosen = self._find_newest_valid()
+            chosen = self._load_newest_valid(app_state)
             if chosen is None:
                 if self.rank == 0:
                     log.info("no valid checkpoint under %s: starting from step 0", self.root)
                 return 0
         else:
-            chosen = self._explicit(Path(self.cfg.resume))
+            chosen = self._load_explicit(Path(self.cfg.resume), app_state)
         path, manifest = chosen
-        self._check_owner(path, manifest)  # the same broadcast manifest on every rank: all raise or none does
-        t0 = time.monotonic()
-        self._load(path, manifest, app_state)
         step = manifest["step"]
         self.last_saved_step = step
         self._last_total_bytes = manifest["total_bytes"]
@@ -272,31 +279,42 @@ class Checkpointer:
                         "(allow_config_change; model and optimizer shapes are checked by the load)",
                         path.name, manifest["config_hash"], self.config_hash)
 
-    def _load(self, path: Path, manifest: dict[str, Any], app_state: Stateful) -> None:
-        """DCP load through the restricted reader and planner; any rank's failure is one clear error on all."""
-        # The reader hashes every file as it loads it: what was verified above is checked again on the very bytes
-        # deserialized, so a file swapped after that check fails the load instead of changing what is resumed.
+    def _load(self, path: Path, manifest: dict[str, Any], app_state: Stateful) -> tuple[Problem | None, bool]:
+        """DCP load through the restricted reader and planner, which checks every file it reads against the signed
+        manifest's sha256 as it reads it (the resume's one read of each file; nothing is deserialized before its
+        file matched). A mismatch, or a `.metadata` that is not checkpoint metadata, is the Problem returned on
+        every rank, with whether `app_state` may hold part of the checkpoint (its other files' items); any other
+        rank's failure is one clear error on all."""
         reader = CheckpointReader(path, manifest["files"], verify_reads=True)
-        error: str | None = None
+        problem: Problem | None = None
         try:
             reader.read_metadata()  # parsed and checked here, on every rank, so DCP never meets a bad one
+        except ChecksumMismatch as exc:
+            problem = Problem("checksum-mismatch", str(exc))
         except ShardstackError as exc:
-            error = str(exc)
-        errors = [e for e in self._all_gather(error) if e is not None]
-        if errors:
-            raise ShardstackError(f"cannot load checkpoint {path}: {errors[0]}")
+            problem = Problem("bad-metadata", str(exc))
+        problems = [p for p in self._all_gather(problem) if p is not None]
+        if problems:
+            return problems[0], False
         state = app_state.state_dict()
         try:
             dcp.load(state, storage_reader=reader, planner=WeightsOnlyLoadPlanner())
         except CheckpointException as exc:
+            mismatch = next((err for err, _ in exc.failures.values() if isinstance(err, ChecksumMismatch)), None)
+            if mismatch is not None:
+                return Problem("checksum-mismatch", str(mismatch)), True
             raise ShardstackError(f"cannot load checkpoint {path}: {dcp_failure(exc)}") from None
         app_state.load_state_dict(state)
+        return None, True
 
-    def _explicit(self, path: Path) -> tuple[Path, dict[str, Any]]:
+    def _load_explicit(self, path: Path, app_state: Stateful) -> tuple[Path, dict[str, Any]]:
         if not path.is_absolute() and not path.exists():
             path = self.root / path  # type: ignore[operator]
         parsed = self._broadcast(read_manifest(path, key=self.key) if self.rank == 0 else None)
         problem = self._verify_everywhere(path, parsed)
+        if problem is None:
+            self._check_owner(path, parsed[0])  # the same broadcast manifest on every rank: all raise or none does
+            problem, _ = self._load(path, parsed[0], app_state)
         if problem is not None:
             raise ShardstackError(
                 f"checkpoint.resume names {path}, which is not a valid checkpoint: {problem}",
@@ -304,16 +322,25 @@ class Checkpointer:
             )
         return path, parsed[0]
 
-    def _find_newest_valid(self) -> tuple[Path, dict[str, Any]] | None:
-        """Newest first; each invalid one is quarantined (rank 0), except those signed with another key: they may
-        be fine, and this job must not start over on top of them."""
+    def _load_newest_valid(self, app_state: Stateful) -> tuple[Path, dict[str, Any]] | None:
+        """Load the newest checkpoint that verifies and loads, trying older ones; each invalid one is quarantined
+        (rank 0), except those signed with another key: they may be fine, and this job must not start over on top
+        of them. A file whose sha256 differs is found by the load itself (it reads each file once, hashing it), so
+        the state may already hold another file's items: loading an older checkpoint overwrites all of them, but
+        with none left this process must not train on from step 0."""
         candidates = self._broadcast(list_checkpoints(self.root) if self.rank == 0 else None)  # type: ignore[arg-type]
         other_key: list[Problem] = []
+        partly_loaded: tuple[Path, Problem] | None = None
         for _step, path in reversed(candidates):
             parsed = self._broadcast(read_manifest(path, key=self.key) if self.rank == 0 else None)
             problem = self._verify_everywhere(path, parsed)
             if problem is None:
-                return path, parsed[0]
+                self._check_owner(path, parsed[0])  # the same broadcast manifest everywhere: all raise or none
+                problem, touched = self._load(path, parsed[0], app_state)
+                if problem is None:
+                    return path, parsed[0]
+                if touched:
+                    partly_loaded = (path, problem)
             if problem.reason == "other-key":
                 other_key.append(problem)
                 if self.rank == 0:
@@ -328,15 +355,22 @@ class Checkpointer:
                 f"with another: {other_key[0]}",
                 hint="put the key they were signed with at checkpoint.signing_key_file, or move those checkpoints "
                      "away to start from step 0")
+        if partly_loaded is not None:
+            raise ShardstackError(
+                f"checkpoint {partly_loaded[0]} failed while it was loaded ({partly_loaded[1]}) and no older valid "
+                "checkpoint is left; part of it may already be in the model, so this run does not start over",
+                hint="run the job again: it starts from step 0 (the damaged checkpoint is quarantined)")
         return None
 
     def _verify_everywhere(self, path: Path, parsed: tuple[dict[str, Any] | None, Problem | None]) -> Problem | None:
-        """Verify sizes and sha256 with the files split across ranks; the first problem any rank found, or None."""
+        """Verify that the files are there with their sizes (split across ranks); the first problem any rank found,
+        or None. The sha256 of each file is checked by the load, on the bytes it reads (`_load`): hashing here too
+        would read every file twice."""
         manifest, problem = parsed
         if manifest is None:
             return problem
         names = sorted(manifest["files"])
-        mine = check_files(path, manifest["files"], names[self.rank :: self.world_size], checksums=True)
+        mine = check_files(path, manifest["files"], names[self.rank :: self.world_size], checksums=False)
         problems = [p for p in self._all_gather(mine) if p is not None]
         return problems[0] if problems else None
 

@@ -11,9 +11,11 @@ directory could make the next reader run code. Here:
   are, by DCP's `FileSystemReader.read_data`.
 - DCP's fallback to a rank-local `__<rank>.metadata` (a file no manifest lists) is never taken.
 
-Files are hashed as they are read: `.metadata` is read into memory once, hashed and unpickled from those bytes, and
-a resume's shards stream through sha256 while their items are deserialized (`CheckpointReader(verify_reads=True)`),
-so the bytes checked against the (signed) manifest are the bytes loaded, not a copy read a moment earlier.
+Files are hashed as they are read, once: `.metadata` is read into memory, hashed and unpickled from those bytes, and
+each shard a resume needs streams once through sha256 while the byte ranges of its items are kept; they are
+deserialized only after the whole file has matched the (signed) manifest (`CheckpointReader(verify_reads=True)`).
+So a resume reads every file once (not a hashing pass and then a loading one), nothing unverified is deserialized,
+and the bytes checked are the bytes loaded, not a copy read a moment earlier.
 """
 
 from __future__ import annotations
@@ -56,6 +58,10 @@ class ChecksumMismatch(ShardstackError):
 
     def __init__(self, name: str) -> None:
         super().__init__(f"checksum mismatch for {name} (sha256 differs from the manifest)")
+        self.name = name
+
+    def __reduce__(self) -> tuple[Any, tuple[str]]:  # DCP gathers ranks' errors pickled: keep the name, not the text
+        return type(self), (self.name,)
 
 _DCP_METADATA_CLASSES = {
     "Metadata", "TensorStorageMetadata", "BytesStorageMetadata", "ChunkStorageMetadata", "TensorProperties",
@@ -198,12 +204,14 @@ class CheckpointReader(FileSystemReader):
     sees the metadata that was checked). Its `read_metadata` takes no `rank` argument, which is how DCP knows not to
     fall back to a rank-local `__<rank>.metadata`.
 
-    `files` are the verified manifest's entries ({name: {size, sha256}}). With `verify_reads` each shard a load
-    touches is read once, front to back, through sha256: the items are deserialized (weights-only) from the bytes
-    as they pass, and a file whose bytes differ from the manifest fails the load before `dcp.load` returns, so no
-    caller ever receives state from bytes that were not verified. Reading whole files costs a rank the parts of
-    shards it does not need (rank 0's file holds the plain items every rank loads); `export`, which loads one
-    tensor at a time, verifies up front instead (`verify_reads=False`).
+    `files` are the signed manifest's entries ({name: {size, sha256}}). With `verify_reads` each shard a load
+    touches is read once, front to back, through sha256, keeping the byte ranges of the items this rank loads; only
+    when the whole file has matched the manifest are they deserialized (weights-only), so a file whose bytes differ
+    fails the load (`ChecksumMismatch`) with nothing of it deserialized. This is the resume's only read of the
+    shards: a rank holds the needed bytes of one file at a time in memory (about its share of the state, the
+    price of not reading everything twice), and reads the parts of shards it does not need (rank 0's file holds the
+    plain items every rank loads). `export`, which loads one tensor at a time, verifies up front instead
+    (`verify_reads=False`).
     """
 
     def __init__(self, step_dir: str | Path, files: Mapping[str, Mapping[str, Any]], *,
@@ -231,12 +239,17 @@ class CheckpointReader(FileSystemReader):
         for name, reqs in per_file.items():
             if name not in self._files:  # _check_metadata already refused this; never open an unlisted file
                 raise ShardstackError(f".metadata points at {name!r}, which the manifest does not list")
+            held: list[tuple[ReadItem, bytes]] = []
             with open(Path(self.path) / name, "rb") as f:
                 stream = _HashingFile(f, name, self._files[name])
                 for info, req in _in_file_order(reqs):
                     stream.skip_to(info.offset)
-                    _deliver(req, stream.read(info.length), planner)
-                stream.finish()
+                    held.append((req, stream.read(info.length)))
+                stream.finish()  # raises before anything of this file is deserialized
+            held.reverse()
+            while held:  # release each item's bytes as it is loaded
+                req, data = held.pop()
+                _deliver(req, data, planner)
         fut: Future[None] = Future()
         fut.set_result(None)
         return fut
