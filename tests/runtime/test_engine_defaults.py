@@ -1,6 +1,7 @@
-"""engine.precision and engine.activation_checkpointing default to `auto`: bf16 and every block recomputed on CUDA
-(what a GPU cluster's jobs want unless told otherwise), fp32 and nothing recomputed on CPU (the lab's, unchanged);
-an explicit value wins on either device. The settled values are what the estimate reports and the engine uses."""
+"""engine.precision, engine.activation_checkpointing and checkpoint.async_save default to `auto`: bf16, every block
+recomputed and saves in the background on CUDA (what a GPU cluster's jobs want unless told otherwise); fp32, nothing
+recomputed and inline saves on CPU (the lab's, unchanged); an explicit value wins on either device. The settled
+values are what the estimate reports and the engine uses."""
 
 from __future__ import annotations
 
@@ -39,3 +40,16 @@ def test_a_job_config_without_engine_settings_is_auto_and_valid() -> None:
     assert (cfg.engine.precision, cfg.engine.activation_checkpointing) == ("auto", "auto")
     (est,) = estimate(cfg, 2, stages=[3])
     assert (est.precision, est.activation_checkpointing) == ("fp32", "none")
+
+
+@pytest.mark.parametrize(("setting", "device", "background"), [
+    ("auto", "cuda", True), ("auto", "cpu", False), (False, "cuda", False), (True, "cpu", True)])
+def test_checkpoints_save_in_the_background_on_cuda_unless_told(tmp_path, setting, device: str,
+                                                                 background: bool) -> None:
+    from shardstack.train.checkpoint.checkpointer import Checkpointer
+    from shardstack.train.config import CheckpointConfig
+
+    ckpt = Checkpointer(CheckpointConfig(dir=str(tmp_path), async_save=setting, require_signature=False),
+                        config_hash="0" * 16, job="j", device_type=device)
+    assert ckpt.async_save is background and (ckpt._executor is not None) is background
+    ckpt.wait()

@@ -106,7 +106,7 @@ class CheckpointConfig:
     interval: int = 100
     keep: int = 3  # the newest N valid checkpoints stay; 0 = keep all
     resume: str = "auto"  # "auto" | "never" | a step directory path
-    async_save: bool = False
+    async_save: bool | Literal["auto"] = "auto"  # auto: in the background on CUDA, inline on CPU
     # HMAC key that signs every manifest: on each node, readable by the job's account only, never on shared storage.
     signing_key_file: str = DEFAULT_KEY_FILE
     require_signature: bool = True  # false: save and resume unsigned checkpoints (a local single-user run)

@@ -164,7 +164,7 @@ def _open_checkpointer(cfg: JobConfig, dist_info: DistInfo):
     from shardstack.train.checkpoint.checkpointer import Checkpointer
 
     return Checkpointer(cfg.checkpoint, config_hash=cfg.config_hash(), job=cfg.name, dist=dist_info,
-                        stage=cfg.engine.stage, job_config=cfg.to_dict())
+                        stage=cfg.engine.stage, job_config=cfg.to_dict(), device_type=dist_info.device.type)
 
 
 def train(cfg: JobConfig, max_steps: int | None = None, *, out=None) -> TrainResult:

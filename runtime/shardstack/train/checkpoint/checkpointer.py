@@ -126,8 +126,12 @@ class Checkpointer:
         job_config: dict[str, Any] | None = None,
         on_space_check: Callable[[SpaceCheck], None] | None = None,
         on_commit: Callable[[int], None] | None = None,
+        device_type: str = "cpu",
     ) -> None:
         self.cfg = cfg
+        # auto: in the background on CUDA (the staging copy to host memory is what lets training go on), inline on CPU
+        # (the state is already in host memory: a staging copy would double it for no overlap worth having).
+        self.async_save = cfg.async_save if isinstance(cfg.async_save, bool) else device_type == "cuda"
         self.config_hash = config_hash
         self.job = job
         self.run_id: str | None = None  # from the checkpoint resumed, else drawn at the first save (rank 0)
@@ -151,7 +155,7 @@ class Checkpointer:
         self._executor: ThreadPoolExecutor | None = None
         self._pg = None
         self.key: SigningKey | None = self._open_key() if self.enabled else None
-        if self.enabled and cfg.async_save:
+        if self.enabled and self.async_save:
             self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="shardstack-ckpt")
             if self._distributed:
                 # Async uploads run collectives from a background thread: give them their own gloo group so they
@@ -474,7 +478,7 @@ class Checkpointer:
         if self.rank == 0:
             tmp.mkdir(parents=True)
         self._broadcast(None)  # the directory exists before any rank writes into it
-        if self.cfg.async_save:
+        if self.async_save:
             assert self._executor is not None
             upload = dcp.async_save(state, checkpoint_id=str(tmp), process_group=self._pg)
             self._pending = _PendingSave(step, self._executor.submit(self._finish_async, upload, step, tmp))
@@ -486,7 +490,7 @@ class Checkpointer:
         if self.rank == 0:
             log.info(
                 "checkpoint step %d: %s in %.2fs", step,
-                "staged, writing in the background" if self.cfg.async_save else "committed",
+                "staged, writing in the background" if self.async_save else "committed",
                 self.last_save_seconds,
             )
         return True
