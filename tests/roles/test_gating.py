@@ -22,9 +22,10 @@ def _bare_metal(facts: dict[str, Any]) -> dict[str, Any]:
         ([], False, True, "auto", False, False, "skipped: no NVIDIA GPU found"),
         ([], True, True, "auto", True, False, "userspace only (forced); kernel-module steps skipped: container"),
         ([GPU], False, True, "auto", True, False, "userspace only (GPU found); kernel-module steps skipped: container"),
-        ([GPU], False, False, "auto", True, True, "full install from cuda_repo, branch 580 (1 NVIDIA PCI device(s))"),
+        ([GPU], False, False, "auto", True, True,
+         "full install from cuda_repo, branch 580, open kernel modules (1 NVIDIA PCI device(s))"),
         ([GPU], False, False, "never", True, False, "kernel-module steps skipped: nvidia_driver_kernel_modules=never"),
-        ([], True, True, "always", True, True, "branch 580 (0 NVIDIA PCI device(s), forced)"),
+        ([], True, True, "always", True, True, "branch 580, open kernel modules (0 NVIDIA PCI device(s), forced)"),
     ],
 )
 def test_nvidia_driver_gate(
@@ -85,6 +86,7 @@ def test_nvidia_loaded_matching_driver_is_left_alone(
         _bare_metal(debian_container),
         shardstack_hardware=hardware(pci=(GPU,)),
         __nvidia_driver_module_version=module,
+        __nvidia_driver_proc_version=_proc("open"),
         nvidia_driver_branch=branch,
         nvidia_driver_version=version,
     )
@@ -94,20 +96,37 @@ def test_nvidia_loaded_matching_driver_is_left_alone(
         assert "left alone" in r["__nvidia_driver_reason"]
 
 
+# The module package per source and flavour: Debian's names checked with apt-cache against bookworm and trixie
+# (nvidia-open-kernel-dkms in contrib, from src:nvidia-open-gpu-kernel-modules; nvidia-kernel-dkms in non-free),
+# NVIDIA's from its driver installation guide (compute-only: nvidia-kernel-open-dkms; proprietary: cuda-drivers).
 @pytest.mark.parametrize(
-    ("source", "kernel_pkg", "components"),
-    [("distro", "nvidia-kernel-dkms", ["contrib", "non-free", "non-free-firmware"]),
-     ("cuda_repo", "cuda-drivers-580", ["contrib"])],
+    ("source", "module_type", "kernel_pkg", "other_pkgs", "components"),
+    [("distro", "open", "nvidia-open-kernel-dkms", ["nvidia-kernel-dkms"],
+      ["contrib", "non-free", "non-free-firmware"]),
+     ("distro", "proprietary", "nvidia-kernel-dkms", ["nvidia-open-kernel-dkms"],
+      ["contrib", "non-free", "non-free-firmware"]),
+     ("cuda_repo", "open", "nvidia-kernel-open-dkms", ["cuda-drivers-580", "nvidia-kernel-dkms"], ["contrib"]),
+     ("cuda_repo", "proprietary", "cuda-drivers-580", ["nvidia-kernel-open-dkms"], ["contrib"])],
 )
 def test_nvidia_packages_and_components_by_source(
-    role_eval: Any, debian_container: dict, source: str, kernel_pkg: str, components: list
+    role_eval: Any, debian_container: dict, source: str, module_type: str, kernel_pkg: str, other_pkgs: list,
+    components: list
 ) -> None:
-    r = role_eval("nvidia_driver", debian_container, nvidia_driver_source=source)
-    assert kernel_pkg in r["__nvidia_driver_kernel_effective"]
+    r = role_eval("nvidia_driver", debian_container, nvidia_driver_source=source,
+                  nvidia_driver_kernel_module_type=module_type)
+    assert r["__nvidia_driver_kernel_effective"][0] == kernel_pkg
+    assert not set(other_pkgs) & set(r["__nvidia_driver_kernel_effective"])
     # Headless: libcuda1 (what torch loads) without nvidia-driver's X server.
     assert r["__nvidia_driver_userspace_effective"] == ["nvidia-smi", "libnvidia-ml1", "libcuda1"]
     assert "nvidia-driver" not in r["__nvidia_driver_kernel_effective"]
     assert r["__nvidia_driver_os_components"][source] == components
+
+
+def test_nvidia_open_modules_are_the_default(role_eval: Any, hardware: Any, debian_container: dict) -> None:
+    r = role_eval("nvidia_driver", _bare_metal(debian_container), shardstack_hardware=hardware(pci=(GPU,)))
+    assert r["nvidia_driver_kernel_module_type"] == "open"
+    assert r["__nvidia_driver_kernel_effective"][0] == "nvidia-kernel-open-dkms"
+    assert "branch 580, open kernel modules" in r["__nvidia_driver_reason"]
 
 
 def test_nvidia_ubuntu_and_rhel_dispatch(role_eval: Any, debian_container: dict) -> None:
@@ -116,8 +135,13 @@ def test_nvidia_ubuntu_and_rhel_dispatch(role_eval: Any, debian_container: dict)
     assert r["__nvidia_driver_userspace_effective"][0] == "nvidia-utils-535-server"
     assert r["__nvidia_driver_os_components"]["distro"] == ["restricted", "multiverse"]
     assert r["__nvidia_driver_fabricmanager_effective"] == ["cuda-drivers-fabricmanager-535"]
+    assert r["__nvidia_driver_kernel_effective"][0] == "nvidia-driver-535-server-open"
+    r = role_eval("nvidia_driver", ubuntu, nvidia_driver_kernel_module_type="proprietary")
+    assert r["__nvidia_driver_kernel_effective"][0] == "cuda-drivers-580"
     rhel = {**debian_container, "distribution": "Rocky", "os_family": "RedHat", "distribution_major_version": "9"}
     r = role_eval("nvidia_driver", rhel)
+    assert "@nvidia-driver:580-open" in r["__nvidia_driver_kernel_effective"]
+    r = role_eval("nvidia_driver", rhel, nvidia_driver_kernel_module_type="proprietary")
     assert "@nvidia-driver:580-dkms" in r["__nvidia_driver_kernel_effective"]
     assert r["__nvidia_driver_os_components"]["cuda_repo"] == ["epel", "crb"]
 
@@ -150,6 +174,17 @@ def _module(version: str) -> dict:
     return {"content": base64.b64encode(f"{version}\n".encode()).decode()} if version else {}
 
 
+# /proc/driver/nvidia/version's first line, as each flavour of 580.65.06 writes it.
+PROC_VERSION = {
+    "open": "NVRM version: NVIDIA UNIX Open Kernel Module for x86_64  580.65.06  Release Build  (dvs-builder@U16)",
+    "proprietary": "NVRM version: NVIDIA UNIX x86_64 Kernel Module  580.65.06  Sun Jul 27 07:09:32 UTC 2025",
+}
+
+
+def _proc(flavour: str) -> dict:
+    return {"content": base64.b64encode((PROC_VERSION[flavour] + "\nGCC version:  gcc 12.2.0\n").encode()).decode()}
+
+
 # Recorded states of a bare-metal GPU node after the role's install step: the module loaded before it, the
 # userspace installed now, whether nouveau was bound, whether the play may reboot.
 @pytest.mark.parametrize(
@@ -177,6 +212,7 @@ def test_nvidia_reboot_decision_on_recorded_states(
         nvidia_driver_branch=installed.split(".")[0],
         nvidia_driver_version=installed + "-1" if loaded.startswith(installed.split(".")[0]) else "",
         __nvidia_driver_module_version=_module(loaded),
+        __nvidia_driver_proc_version=_proc("open"),
         nvidia_driver_installed_version=installed,
         __nvidia_driver_nouveau={"stat": {"exists": nouveau}},
     )
@@ -235,11 +271,34 @@ def test_nvidia_no_reboot_in_a_container_or_for_a_driver_left_alone(
 ) -> None:
     facts = debian_container if container else _bare_metal(debian_container)
     r = role_eval("nvidia_driver", facts, shardstack_hardware=hardware(pci=(GPU,)),
-                  __nvidia_driver_module_version=_module(loaded), nvidia_driver_installed_version="580.65.06",
+                  __nvidia_driver_module_version=_module(loaded), __nvidia_driver_proc_version=_proc("open"),
+                  nvidia_driver_installed_version="580.65.06",
                   __nvidia_driver_nouveau={"stat": {"exists": True}})
     assert r["__nvidia_driver_reboot_needed"] is False and r["__nvidia_driver_load_now"] is False
     # A driver left alone still gets its services (persistenced, fabric manager) kept running on bare metal.
     assert r["__nvidia_driver_kernel_host"] is (not container)
+
+
+@pytest.mark.parametrize(("loaded", "wanted", "left_alone"), [
+    ("open", "open", True), ("proprietary", "proprietary", True), ("proprietary", "open", False),
+    ("open", "proprietary", False)])
+def test_nvidia_loaded_module_of_the_other_flavour_is_replaced(
+    role_eval: Any, hardware: Any, debian_container: dict, loaded: str, wanted: str, left_alone: bool
+) -> None:
+    """A node running 580.65.06 of the other flavour is installed (the module packages conflict: apt swaps them),
+    and the loaded module can only be replaced by a reboot, like one of another version."""
+    r = role_eval("nvidia_driver", _bare_metal(debian_container), shardstack_hardware=hardware(pci=(GPU,)),
+                  __nvidia_driver_module_version=_module("580.65.06"), __nvidia_driver_proc_version=_proc(loaded),
+                  nvidia_driver_kernel_module_type=wanted, nvidia_driver_installed_version="580.65.06",
+                  __nvidia_driver_nouveau={"stat": {"exists": False}})
+    assert r["__nvidia_driver_loaded_type"] == loaded
+    assert r["__nvidia_driver_loaded_matches"] is left_alone
+    assert r["__nvidia_driver_reboot_needed"] is (not left_alone)
+    if not left_alone:
+        assert r["__nvidia_driver_reboot_reasons"] == [
+            f"the loaded module is the {loaded} one, the installed the {wanted} one (nvidia_driver_kernel_module_type)"]
+    else:
+        assert f"driver 580.65.06 ({loaded}) is loaded and matches branch 580" in r["__nvidia_driver_reason"]
 
 
 @pytest.mark.parametrize(("pci", "force", "enabled"), [([], False, False), ([], True, True), ([GPU], False, True)])
