@@ -129,6 +129,36 @@ def test_nvidia_open_modules_are_the_default(role_eval: Any, hardware: Any, debi
     assert "branch 580, open kernel modules" in r["__nvidia_driver_reason"]
 
 
+# A kernel upgrade must bring the headers DKMS builds the module against (follow), or not happen (hold).
+@pytest.mark.parametrize(("family", "kernel", "upgrades", "headers", "hold"), [
+    ("Debian", "6.1.0-28-amd64", "follow", ["linux-headers-6.1.0-28-amd64", "linux-headers-amd64"],
+     ["linux-image-amd64"]),
+    ("Debian", "6.1.0-28-amd64", "hold", ["linux-headers-6.1.0-28-amd64"], ["linux-image-amd64"]),
+    ("Debian", "6.1.0-28-cloud-amd64", "follow", ["linux-headers-6.1.0-28-cloud-amd64", "linux-headers-cloud-amd64"],
+     ["linux-image-cloud-amd64"]),
+    ("Debian", "6.12.12+bpo-arm64", "follow", ["linux-headers-6.12.12+bpo-arm64", "linux-headers-arm64"],
+     ["linux-image-arm64"]),
+    ("Debian", "6.12.48+deb13-amd64", "hold", ["linux-headers-6.12.48+deb13-amd64"], ["linux-image-amd64"]),
+    ("Ubuntu", "6.8.0-1012-aws", "follow", ["linux-headers-6.8.0-1012-aws", "linux-headers-aws"], ["linux-image-aws"]),
+    ("Ubuntu", "5.15.0-91-generic", "hold", ["linux-headers-5.15.0-91-generic"], ["linux-image-generic"]),
+    ("RedHat", "5.14.0-427.13.1.el9_4.x86_64", "follow",
+     ["kernel-devel-5.14.0-427.13.1.el9_4.x86_64", "kernel-devel"], []),
+])
+def test_nvidia_kernel_headers_follow_the_kernel_or_it_is_held(
+    role_eval: Any, debian_container: dict, family: str, kernel: str, upgrades: str, headers: list, hold: list
+) -> None:
+    facts = {**debian_container, **FAMILIES[family], "kernel": kernel}
+    r = role_eval("nvidia_driver", facts, nvidia_driver_kernel_upgrades=upgrades)
+    assert r["__nvidia_driver_kernel_effective"][-len(headers):] == headers
+    assert r["__nvidia_driver_kernel_effective"][0] == r["__nvidia_driver_module_package"]
+    # What `hold` holds (the kernel metapackage of the flavour; none on RedHat).
+    assert r["__nvidia_driver_kernel_hold_packages"] == hold
+    # Given package lists are the operator's: nothing is added to them.
+    mine = role_eval("nvidia_driver", facts, nvidia_driver_kernel_upgrades=upgrades,
+                     nvidia_driver_kernel_packages=["nvidia-kernel-open-dkms"])
+    assert mine["__nvidia_driver_kernel_effective"] == ["nvidia-kernel-open-dkms"]
+
+
 def test_nvidia_ubuntu_and_rhel_dispatch(role_eval: Any, debian_container: dict) -> None:
     ubuntu = {**debian_container, "distribution": "Ubuntu", "distribution_version": "22.04"}
     r = role_eval("nvidia_driver", ubuntu, nvidia_driver_source="distro", nvidia_driver_branch="535")
