@@ -164,13 +164,14 @@ def test_nvidia_ubuntu_and_rhel_dispatch(role_eval: Any, debian_container: dict)
     r = role_eval("nvidia_driver", ubuntu, nvidia_driver_source="distro", nvidia_driver_branch="535")
     assert r["__nvidia_driver_userspace_effective"][0] == "nvidia-utils-535-server"
     assert r["__nvidia_driver_os_components"]["distro"] == ["restricted", "multiverse"]
-    assert r["__nvidia_driver_fabricmanager_effective"] == ["cuda-drivers-fabricmanager-535"]
+    assert r["__nvidia_driver_fabricmanager_effective"] == ["cuda-drivers-fabricmanager-535", "libnvidia-nscq-535"]
     assert r["__nvidia_driver_kernel_effective"][0] == "nvidia-driver-535-server-open"
     r = role_eval("nvidia_driver", ubuntu, nvidia_driver_kernel_module_type="proprietary")
     assert r["__nvidia_driver_kernel_effective"][0] == "cuda-drivers-580"
     rhel = {**debian_container, "distribution": "Rocky", "os_family": "RedHat", "distribution_major_version": "9"}
     r = role_eval("nvidia_driver", rhel)
     assert "@nvidia-driver:580-open" in r["__nvidia_driver_kernel_effective"]
+    assert r["__nvidia_driver_fabricmanager_effective"] == ["cuda-drivers-fabricmanager-580", "libnvidia-nscq-580"]
     r = role_eval("nvidia_driver", rhel, nvidia_driver_kernel_module_type="proprietary")
     assert "@nvidia-driver:580-dkms" in r["__nvidia_driver_kernel_effective"]
     assert r["__nvidia_driver_os_components"]["cuda_repo"] == ["epel", "crb"]
@@ -181,9 +182,10 @@ NVSWITCH = "/sys/bus/pci/devices/0000:05:00.0"
 
 @pytest.mark.parametrize(
     ("source", "container", "fabricmanager", "packages"),
-    [("cuda_repo", False, True, ["cuda-drivers-fabricmanager-580"]),
+    # With the fabric manager, NSCQ: without it DCGM (dcgmi, the exporter) does not see the NVSwitches.
+    [("cuda_repo", False, True, ["cuda-drivers-fabricmanager-580", "libnvidia-nscq-580"]),
      ("distro", False, True, []),  # Debian packages none: the preflight stops the node
-     ("cuda_repo", True, False, ["cuda-drivers-fabricmanager-580"])],
+     ("cuda_repo", True, False, ["cuda-drivers-fabricmanager-580", "libnvidia-nscq-580"])],
 )
 def test_nvidia_fabric_manager_on_nvswitch_systems(
     role_eval: Any, hardware: Any, debian_container: dict, source: str, container: bool, fabricmanager: bool,
