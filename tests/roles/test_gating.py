@@ -7,6 +7,8 @@ import base64
 from typing import Any
 
 import pytest
+import yaml
+from conftest import ROLES
 
 GPU = "/sys/bus/pci/devices/0000:3b:00.0/vendor"
 IB = "/sys/class/infiniband/mlx5_0"
@@ -370,13 +372,51 @@ def test_rdma_gate(
     peermem: bool,
 ) -> None:
     facts = debian_container if container else _bare_metal(debian_container)
-    r = role_eval("rdma", facts, shardstack_hardware=hardware(pci=(GPU,), rdma=tuple(ib)), rdma_force=force)
+    r = role_eval("rdma", facts, shardstack_hardware=hardware(pci=(GPU,), rdma=tuple(ib)), rdma_force=force,
+                  __rdma_ofed_info={"stat": {"exists": True}})
     assert r["__rdma_enabled"] is enabled
     assert r["__rdma_kernel"] is kernel
     assert r["__rdma_peermem"] is peermem
     assert ("nvidia-peermem" in r["__rdma_modules_effective"]) is peermem
     if not enabled:
         assert r["__rdma_reason"].startswith("skipped: no RDMA device under /sys/class/infiniband")
+
+
+@pytest.mark.parametrize(
+    ("ofed", "force", "kernel", "proc", "peermem", "gpudirect"),
+    [
+        # MLNX OFED's ib_core has the peer-memory API nvidia-peermem registers with.
+        (True, False, "6.1.0-28-amd64", "open", True, "nvidia-peermem (MLNX OFED)"),
+        # Inbox rdma-core (Debian's): nvidia-peermem's init returns -EINVAL; NCCL uses DMA-BUF.
+        (False, False, "6.1.0-28-amd64", "open", False,
+         "DMA-BUF (nvidia-peermem skipped: no MLNX OFED (ofed_info), inbox rdma-core has no peer-memory API)"),
+        (False, True, "6.1.0-28-amd64", "open", True, "nvidia-peermem (rdma_peermem_force)"),
+        # No DMA-BUF either: the proprietary module, or a kernel before 5.12.
+        (False, False, "6.1.0-28-amd64", "proprietary", False,
+         "none: the loaded nvidia module is the proprietary one (nvidia_driver_kernel_module_type: open)"),
+        (False, False, "5.10.0-32-amd64", "open", False, "none: Linux 5.10.0-32-amd64 is older than 5.12"),
+        # The module not loaded yet (a reboot pending): DMA-BUF is assumed, the driver role installs the open one.
+        (False, False, "6.1.0-28-amd64", "", False,
+         "DMA-BUF (nvidia-peermem skipped: no MLNX OFED (ofed_info), inbox rdma-core has no peer-memory API)"),
+    ],
+)
+def test_rdma_peermem_only_with_ofed(
+    role_eval: Any, hardware: Any, debian_container: dict, ofed: bool, force: bool, kernel: str, proc: str,
+    peermem: bool, gpudirect: str
+) -> None:
+    r = role_eval("rdma", {**_bare_metal(debian_container), "kernel": kernel},
+                  shardstack_hardware=hardware(pci=(GPU,), rdma=(IB,)), rdma_peermem_force=force,
+                  __rdma_ofed_info={"stat": {"exists": ofed}},
+                  __rdma_nvidia_version=_proc(proc) if proc else {"failed": True})
+    assert r["__rdma_peermem"] is peermem
+    assert ("nvidia-peermem" in r["__rdma_modules_effective"]) is peermem
+    assert ("nvidia-peermem" in r.render("modules-load.conf.j2").splitlines()) is peermem
+    assert r["__rdma_gpudirect"] == gpudirect
+    assert f"GPUDirect RDMA {gpudirect}" in r["__rdma_reason"]
+    # The preflight warns exactly where there is no GPUDirect RDMA at all.
+    tasks = yaml.safe_load((ROLES / "rdma/tasks/preflight.yml").read_text())
+    warn = next(task for task in tasks if task["name"] == "Preflight - warn when GPUDirect RDMA is unavailable")
+    assert r[warn["when"]] is gpudirect.startswith("none")
 
 
 def test_rdma_no_peermem_without_gpu(role_eval: Any, hardware: Any, debian_container: dict) -> None:
