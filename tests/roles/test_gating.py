@@ -419,6 +419,24 @@ def test_rdma_peermem_only_with_ofed(
     assert r[warn["when"]] is gpudirect.startswith("none")
 
 
+@pytest.mark.parametrize(("enabled", "ib", "container", "opensm"), [
+    (True, True, False, True), (False, True, False, False),
+    (True, False, False, False),  # no adapter: nothing to manage
+    (True, True, True, False)])  # a container has no umad device of its own
+def test_rdma_opensm_where_enabled(
+    role_eval: Any, hardware: Any, debian_container: dict, enabled: bool, ib: bool, container: bool, opensm: bool
+) -> None:
+    facts = debian_container if container else _bare_metal(debian_container)
+    r = role_eval("rdma", facts, shardstack_hardware=hardware(rdma=(IB,) if ib else ()), rdma_opensm_enabled=enabled,
+                  rdma_force=True)
+    assert r["__rdma_opensm"] is opensm
+    assert ("opensm" in r["__rdma_packages_effective"]) is opensm
+    assert ("subnet manager opensm" in r["__rdma_reason"]) is opensm
+    mine = role_eval("rdma", facts, shardstack_hardware=hardware(rdma=(IB,) if ib else ()),
+                     rdma_opensm_enabled=enabled, rdma_packages=["rdma-core"])
+    assert mine["__rdma_packages_effective"] == ["rdma-core"] + (["opensm"] if opensm else [])
+
+
 def test_rdma_no_peermem_without_gpu(role_eval: Any, hardware: Any, debian_container: dict) -> None:
     r = role_eval("rdma", _bare_metal(debian_container), shardstack_hardware=hardware(rdma=(IB,)))
     assert r["__rdma_peermem"] is False
