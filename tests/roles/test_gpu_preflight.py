@@ -1,8 +1,10 @@
-"""nvidia_driver's preflight checks on recorded node state: Secure Boot (mokutil, the EFI variable)."""
+"""nvidia_driver's preflight checks on recorded node state: Secure Boot (mokutil, the EFI variable), PCIe ACS and
+IOMMU (lspci -vvv, /proc/cmdline)."""
 
 from __future__ import annotations
 
 import base64
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -85,3 +87,99 @@ def test_secure_boot_is_checked_before_anything_changes() -> None:
     assert names.index("secure_boot.yml") > names.index("hardware.yml")
     task = tasks[names.index("secure_boot.yml")]
     assert task["ansible.builtin.import_role"]["name"] == "nvidia_driver" and task["tags"] == ["always"]
+
+
+# lspci -vvv of an HGX H100 node (trimmed to the lines that matter): a root port with ACS on (the kernel's, for the
+# IOMMU groups: never flagged), a PEX890xx switch (upstream port, two downstream ports with ACS redirecting P2P), a
+# GPU and a ConnectX-7 behind it.
+LSPCI_ACS_ON = (Path(__file__).parent / "fixtures/lspci-vvv-hgx-h100.txt").read_text()
+# The same switch after `setpci -s 17:00.0 ECAP_ACS+0x6.w=0000` (and 17:01.0), or with ACS off in the firmware.
+_ON = "\t\tACSCtl:\tSrcValid+ TransBlk- ReqRedir+ CmpltRedir+ UpstreamFwd+ EgressCtrl- DirectTrans-\n"
+_OFF = "\t\tACSCtl:\tSrcValid- TransBlk- ReqRedir- CmpltRedir- UpstreamFwd- EgressCtrl- DirectTrans-\n"
+_SWITCH_PORTS = ("17:00.0 PCI bridge", "17:01.0 PCI bridge")
+LSPCI_ACS_OFF = "\n\n".join(block.replace(_ON, _OFF) if block.startswith(_SWITCH_PORTS) else block
+                             for block in LSPCI_ACS_ON.split("\n\n"))
+CMDLINE = "BOOT_IMAGE=/boot/vmlinuz-6.1.0-28-amd64 root=UUID=0f1e ro quiet"
+
+
+def _pcie(role_eval: Any, hardware: Any, facts: dict, lspci: str, cmdline: str, rc: int = 0, **kw: Any) -> Any:
+    return role_eval("nvidia_driver", facts, shardstack_hardware=hardware(pci=(GPU,)),
+                     __nvidia_driver_lspci={"stdout": lspci, "rc": rc},
+                     __nvidia_driver_cmdline={"content": base64.b64encode(cmdline.encode()).decode()}, **kw)
+
+
+def test_the_fixture_has_acs_on_only_where_the_test_says() -> None:
+    assert LSPCI_ACS_OFF.count("ACSCtl:\tSrcValid+") == 1  # the root port's alone
+    assert LSPCI_ACS_ON.count("ACSCtl:\tSrcValid+") == 3
+
+
+@pytest.mark.parametrize(
+    ("lspci", "cmdline", "problems"),
+    [
+        (LSPCI_ACS_OFF, CMDLINE, []),
+        (LSPCI_ACS_ON, CMDLINE, ["ACS is enabled on PCIe switch port(s) 17:00.0 (SrcValid+ ReqRedir+ CmpltRedir+), "
+                                 "17:01.0 (SrcValid+ ReqRedir+ CmpltRedir+)"]),
+        (LSPCI_ACS_OFF, CMDLINE + " intel_iommu=on", ["the kernel command line has intel_iommu=on without iommu=pt"]),
+        (LSPCI_ACS_OFF, CMDLINE + " intel_iommu=on,sm_on", ["the kernel command line has intel_iommu=on without"]),
+        (LSPCI_ACS_OFF, CMDLINE + " intel_iommu=on iommu=pt", []),
+        (LSPCI_ACS_OFF, CMDLINE + " intel_iommu=on iommu.passthrough=1", []),
+        (LSPCI_ACS_OFF, CMDLINE + " intel_iommu=off", []),
+        (LSPCI_ACS_ON, CMDLINE + " intel_iommu=on", ["ACS is enabled on PCIe switch port(s) 17:00.0",
+                                                     "the kernel command line has intel_iommu=on without iommu=pt"]),
+    ],
+)
+def test_pcie_acs_and_iommu_on_recorded_state(role_eval: Any, hardware: Any, debian_container: dict, lspci: str,
+                                              cmdline: str, problems: list) -> None:
+    r = _pcie(role_eval, hardware, _bare_metal(debian_container), lspci, cmdline)
+    found = r["__nvidia_driver_pcie"]["problems"]
+    assert len(found) == len(problems)
+    for problem, expected in zip(found, problems, strict=True):
+        assert problem.startswith(expected)
+    check = _task("pcie.yml", "PCIe - peer-to-peer is neither redirected (ACS) nor translated (IOMMU)")
+    assert r[check["when"]] is True
+    assert r[check["ansible.builtin.assert"]["that"]] is (not problems)
+    # warn (validate.yml's mode): reported, the node goes on.
+    warn = _pcie(role_eval, hardware, _bare_metal(debian_container), lspci, cmdline, nvidia_driver_pcie_check="warn")
+    assert warn[check["ansible.builtin.assert"]["that"]] is True
+    if problems:
+        message = r.template(check["ansible.builtin.assert"]["fail_msg"])
+        assert message.startswith("node1: ") and "nvidia_driver_pcie_check=warn" in message
+        assert ("setpci -s <port> ECAP_ACS+0x6.w=0000" in message) is ("ACS" in problems[0])
+        assert "WARNING " in warn.template(check["ansible.builtin.assert"]["success_msg"])
+
+
+def test_pcie_without_lspci_checks_the_iommu_only(role_eval: Any, hardware: Any, debian_container: dict) -> None:
+    r = _pcie(role_eval, hardware, _bare_metal(debian_container), "", CMDLINE, rc=2)
+    assert r["__nvidia_driver_pcie"] == {"problems": [], "report": [
+        "ACS not checked: lspci -vvv failed (install pciutils)",
+        "IOMMU not translating DMA (no intel_iommu=on, or iommu=pt)"]}
+
+
+@pytest.mark.parametrize(("overrides", "gpu", "applies"), [
+    ({"virtualization_type": "", "virtualization_role": ""}, True, True),
+    ({"virtualization_type": "", "virtualization_role": "host"}, True, True),  # KVM host: still bare metal
+    ({"virtualization_type": "kvm", "virtualization_role": "guest"}, True, False),  # passthrough needs ACS/IOMMU
+    ({}, True, False),  # the container fixture
+    ({"virtualization_type": "", "virtualization_role": ""}, False, False),  # no GPU
+])
+def test_pcie_check_only_on_bare_metal_gpu_hosts(role_eval: Any, hardware: Any, debian_container: dict,
+                                                 overrides: dict, gpu: bool, applies: bool) -> None:
+    r = role_eval("nvidia_driver", {**debian_container, **overrides},
+                  shardstack_hardware=hardware(pci=(GPU,) if gpu else ()))
+    assert r["__nvidia_driver_pcie_applies"] is applies
+    skip = role_eval("nvidia_driver", {**debian_container, **overrides},
+                     shardstack_hardware=hardware(pci=(GPU,) if gpu else ()), nvidia_driver_pcie_check="skip")
+    assert skip["__nvidia_driver_pcie_applies"] is False
+
+
+def test_pcie_checked_in_preflight_and_reported_by_validate() -> None:
+    plays = yaml.safe_load((ROLES.parent / "playbooks/preflight.yml").read_text())
+    tasks = [t for play in plays for t in play.get("tasks", [])]
+    froms = [t.get("ansible.builtin.import_role", {}).get("tasks_from") for t in tasks]
+    assert froms.index("pcie.yml") > froms.index("hardware.yml")
+    validate = yaml.safe_load((ROLES.parent / "playbooks/validate.yml").read_text())[0]
+    include = next(t for t in validate["tasks"] if t.get("ansible.builtin.include_role", {}).get("tasks_from")
+                   == "pcie.yml")
+    assert include["vars"] == {"nvidia_driver_pcie_check": "warn"} and include["ansible.builtin.include_role"]["public"]
+    publish = next(t for t in validate["tasks"] if "ansible.builtin.set_stats" in t)
+    assert publish["vars"]["__report"]["pcie_problems"] == "{{ __nvidia_driver_pcie.problems | default([]) }}"
