@@ -90,6 +90,23 @@ def test_nccl_ib_hca_not_discovered_without_adapters(role_eval: Any, hardware: A
     assert not any(line.startswith("NCCL_IB_HCA") for line in _lines(r.render("nccl.conf.j2")))
 
 
+@pytest.mark.parametrize(("mpi", "builddir", "flags", "packages"), [
+    (True, "/opt/nccl-tests/build-mpi", ["MPI=1", "MPI_HOME=/usr/lib/x86_64-linux-gnu/openmpi"],
+     ["git", "make", "g++", "openmpi-bin", "libopenmpi-dev"]),
+    (False, "/opt/nccl-tests/build", ["MPI=0"], ["git", "make", "g++"]),
+])
+def test_nccl_tests_build_with_debians_open_mpi(role_eval: Any, debian_container: dict, mpi: bool, builddir: str,
+                                                 flags: list, packages: list) -> None:
+    """MPI=1 against Debian's Open MPI (libopenmpi-dev: /usr/lib/x86_64-linux-gnu/openmpi/{include/mpi.h,
+    lib/libmpi.so}); each mode builds into its own directory, so switching modes rebuilds."""
+    r = role_eval("nccl", {**debian_container, "processor_vcpus": 64}, nccl_tests_mpi=mpi)
+    assert r["__nccl_tests_builddir"] == builddir
+    assert r["__nccl_tests_make"] == ["make", "-j64", "CUDA_HOME=/usr/local/cuda", f"BUILDDIR={builddir}", *flags]
+    assert r["__nccl_tests_packages"] == packages
+    arm = role_eval("nccl", {**debian_container, "architecture": "aarch64"}, nccl_tests_mpi=True)
+    assert "MPI_HOME=/usr/lib/aarch64-linux-gnu/openmpi" in arm["__nccl_tests_make"]
+
+
 def test_nccl_ifname_falls_back_to_the_default_route(role_eval: Any, debian_container: dict) -> None:
     facts = {**debian_container, "default_ipv4": {"interface": "ens5"}}
     assert role_eval("nccl", facts, ansible_host="gpu01.example")["__nccl_socket_ifname"] == "ens5"
