@@ -53,24 +53,28 @@ def test_secure_boot_state(role_eval: Any, hardware: Any, debian_container: dict
 
 
 @pytest.mark.parametrize(
-    ("state", "enrolled", "container", "passes"),
+    ("state", "enrolled", "container", "loaded", "passes"),
     [
-        ("SecureBoot enabled\n", False, False, False),  # unsigned modules would never load: stop here
-        ("SecureBoot enabled\n", True, False, True),  # DKMS signs with the enrolled MOK
-        ("SecureBoot disabled\n", False, False, True),
-        ("", False, False, True),  # unknown (BIOS boot, nothing readable): nothing to refuse
-        ("SecureBoot enabled\n", False, True, True),  # a container: the host owns the modules, no check
+        ("SecureBoot enabled\n", False, False, False, False),  # unsigned modules would never load: stop here
+        ("SecureBoot enabled\n", True, False, False, True),  # DKMS signs with the enrolled MOK
+        ("SecureBoot disabled\n", False, False, False, True),
+        ("", False, False, False, True),  # unknown (BIOS boot, nothing readable): nothing to refuse
+        ("SecureBoot enabled\n", False, True, False, True),  # a container: the host owns the modules, no check
+        # A module loaded under Secure Boot: DKMS's key is enrolled (it signs the next build, any flavour, too).
+        ("SecureBoot enabled\n", False, False, True, True),
     ],
 )
 def test_secure_boot_fails_a_node_whose_modules_would_not_load(
-    role_eval: Any, hardware: Any, debian_container: dict, state: str, enrolled: bool, container: bool, passes: bool
+    role_eval: Any, hardware: Any, debian_container: dict, state: str, enrolled: bool, container: bool, loaded: bool,
+    passes: bool
 ) -> None:
     facts = debian_container if container else _bare_metal(debian_container)
     r = role_eval("nvidia_driver", facts, shardstack_hardware=hardware(pci=(GPU,)),
+                  __nvidia_driver_sb_module={"stat": {"exists": loaded}},
                   __nvidia_driver_mokutil={"stdout": state, "rc": 0}, nvidia_driver_secure_boot_mok_enrolled=enrolled)
     check = _task("secure_boot.yml", "Secure Boot - the DKMS-built modules can load")
     applies = r[check["when"]]
-    assert applies is (not container)
+    assert applies is (not container and not loaded)
     assert (not applies or r[check["ansible.builtin.assert"]["that"]]) is passes
     if not passes:
         message = r.template(check["ansible.builtin.assert"]["fail_msg"])
