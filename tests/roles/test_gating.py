@@ -4,11 +4,13 @@ fact `shardstack_hardware`), and the reason it prints."""
 from __future__ import annotations
 
 import base64
+from pathlib import Path
 from typing import Any
 
 import pytest
 import yaml
-from conftest import ROLES
+
+ROLES = Path(__file__).resolve().parents[2] / "roles"
 
 GPU = "/sys/bus/pci/devices/0000:3b:00.0/vendor"
 IB = "/sys/class/infiniband/mlx5_0"

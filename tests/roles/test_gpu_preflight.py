@@ -9,7 +9,8 @@ from typing import Any
 
 import pytest
 import yaml
-from conftest import ROLES
+
+ROLES = Path(__file__).resolve().parents[2] / "roles"
 
 GPU = "/sys/bus/pci/devices/0000:3b:00.0/vendor"
 

@@ -3,11 +3,13 @@ all_reduce_perf output (nccl-tests 2.13, 8x H100 SXM, NVSwitch)."""
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Any
 
 import pytest
 import yaml
-from conftest import ROLES
+
+ROLES = Path(__file__).resolve().parents[2] / "roles"
 
 GPU = "/sys/bus/pci/devices/0000:{:02x}:00.0/vendor"
 
