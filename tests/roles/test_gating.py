@@ -4,9 +4,13 @@ fact `shardstack_hardware`), and the reason it prints."""
 from __future__ import annotations
 
 import base64
+from pathlib import Path
 from typing import Any
 
 import pytest
+import yaml
+
+ROLES = Path(__file__).resolve().parents[2] / "roles"
 
 GPU = "/sys/bus/pci/devices/0000:3b:00.0/vendor"
 IB = "/sys/class/infiniband/mlx5_0"
@@ -22,9 +26,10 @@ def _bare_metal(facts: dict[str, Any]) -> dict[str, Any]:
         ([], False, True, "auto", False, False, "skipped: no NVIDIA GPU found"),
         ([], True, True, "auto", True, False, "userspace only (forced); kernel-module steps skipped: container"),
         ([GPU], False, True, "auto", True, False, "userspace only (GPU found); kernel-module steps skipped: container"),
-        ([GPU], False, False, "auto", True, True, "full install from cuda_repo, branch 580 (1 NVIDIA PCI device(s))"),
+        ([GPU], False, False, "auto", True, True,
+         "full install from cuda_repo, branch 580, open kernel modules (1 NVIDIA PCI device(s))"),
         ([GPU], False, False, "never", True, False, "kernel-module steps skipped: nvidia_driver_kernel_modules=never"),
-        ([], True, True, "always", True, True, "branch 580 (0 NVIDIA PCI device(s), forced)"),
+        ([], True, True, "always", True, True, "branch 580, open kernel modules (0 NVIDIA PCI device(s), forced)"),
     ],
 )
 def test_nvidia_driver_gate(
@@ -85,6 +90,7 @@ def test_nvidia_loaded_matching_driver_is_left_alone(
         _bare_metal(debian_container),
         shardstack_hardware=hardware(pci=(GPU,)),
         __nvidia_driver_module_version=module,
+        __nvidia_driver_proc_version=_proc("open"),
         nvidia_driver_branch=branch,
         nvidia_driver_version=version,
     )
@@ -94,20 +100,67 @@ def test_nvidia_loaded_matching_driver_is_left_alone(
         assert "left alone" in r["__nvidia_driver_reason"]
 
 
+# The module package per source and flavour: Debian's names checked with apt-cache against bookworm and trixie
+# (nvidia-open-kernel-dkms in contrib, from src:nvidia-open-gpu-kernel-modules; nvidia-kernel-dkms in non-free),
+# NVIDIA's from its driver installation guide (compute-only: nvidia-kernel-open-dkms; proprietary: cuda-drivers).
 @pytest.mark.parametrize(
-    ("source", "kernel_pkg", "components"),
-    [("distro", "nvidia-kernel-dkms", ["contrib", "non-free", "non-free-firmware"]),
-     ("cuda_repo", "cuda-drivers-580", ["contrib"])],
+    ("source", "module_type", "kernel_pkg", "other_pkgs", "components"),
+    [("distro", "open", "nvidia-open-kernel-dkms", ["nvidia-kernel-dkms"],
+      ["contrib", "non-free", "non-free-firmware"]),
+     ("distro", "proprietary", "nvidia-kernel-dkms", ["nvidia-open-kernel-dkms"],
+      ["contrib", "non-free", "non-free-firmware"]),
+     ("cuda_repo", "open", "nvidia-kernel-open-dkms", ["cuda-drivers-580", "nvidia-kernel-dkms"], ["contrib"]),
+     ("cuda_repo", "proprietary", "cuda-drivers-580", ["nvidia-kernel-open-dkms"], ["contrib"])],
 )
 def test_nvidia_packages_and_components_by_source(
-    role_eval: Any, debian_container: dict, source: str, kernel_pkg: str, components: list
+    role_eval: Any, debian_container: dict, source: str, module_type: str, kernel_pkg: str, other_pkgs: list,
+    components: list
 ) -> None:
-    r = role_eval("nvidia_driver", debian_container, nvidia_driver_source=source)
-    assert kernel_pkg in r["__nvidia_driver_kernel_effective"]
+    r = role_eval("nvidia_driver", debian_container, nvidia_driver_source=source,
+                  nvidia_driver_kernel_module_type=module_type)
+    assert r["__nvidia_driver_kernel_effective"][0] == kernel_pkg
+    assert not set(other_pkgs) & set(r["__nvidia_driver_kernel_effective"])
     # Headless: libcuda1 (what torch loads) without nvidia-driver's X server.
     assert r["__nvidia_driver_userspace_effective"] == ["nvidia-smi", "libnvidia-ml1", "libcuda1"]
     assert "nvidia-driver" not in r["__nvidia_driver_kernel_effective"]
     assert r["__nvidia_driver_os_components"][source] == components
+
+
+def test_nvidia_open_modules_are_the_default(role_eval: Any, hardware: Any, debian_container: dict) -> None:
+    r = role_eval("nvidia_driver", _bare_metal(debian_container), shardstack_hardware=hardware(pci=(GPU,)))
+    assert r["nvidia_driver_kernel_module_type"] == "open"
+    assert r["__nvidia_driver_kernel_effective"][0] == "nvidia-kernel-open-dkms"
+    assert "branch 580, open kernel modules" in r["__nvidia_driver_reason"]
+
+
+# A kernel upgrade must bring the headers DKMS builds the module against (follow), or not happen (hold).
+@pytest.mark.parametrize(("family", "kernel", "upgrades", "headers", "hold"), [
+    ("Debian", "6.1.0-28-amd64", "follow", ["linux-headers-6.1.0-28-amd64", "linux-headers-amd64"],
+     ["linux-image-amd64"]),
+    ("Debian", "6.1.0-28-amd64", "hold", ["linux-headers-6.1.0-28-amd64"], ["linux-image-amd64"]),
+    ("Debian", "6.1.0-28-cloud-amd64", "follow", ["linux-headers-6.1.0-28-cloud-amd64", "linux-headers-cloud-amd64"],
+     ["linux-image-cloud-amd64"]),
+    ("Debian", "6.12.12+bpo-arm64", "follow", ["linux-headers-6.12.12+bpo-arm64", "linux-headers-arm64"],
+     ["linux-image-arm64"]),
+    ("Debian", "6.12.48+deb13-amd64", "hold", ["linux-headers-6.12.48+deb13-amd64"], ["linux-image-amd64"]),
+    ("Ubuntu", "6.8.0-1012-aws", "follow", ["linux-headers-6.8.0-1012-aws", "linux-headers-aws"], ["linux-image-aws"]),
+    ("Ubuntu", "5.15.0-91-generic", "hold", ["linux-headers-5.15.0-91-generic"], ["linux-image-generic"]),
+    ("RedHat", "5.14.0-427.13.1.el9_4.x86_64", "follow",
+     ["kernel-devel-5.14.0-427.13.1.el9_4.x86_64", "kernel-devel"], []),
+])
+def test_nvidia_kernel_headers_follow_the_kernel_or_it_is_held(
+    role_eval: Any, debian_container: dict, family: str, kernel: str, upgrades: str, headers: list, hold: list
+) -> None:
+    facts = {**debian_container, **FAMILIES[family], "kernel": kernel}
+    r = role_eval("nvidia_driver", facts, nvidia_driver_kernel_upgrades=upgrades)
+    assert r["__nvidia_driver_kernel_effective"][-len(headers):] == headers
+    assert r["__nvidia_driver_kernel_effective"][0] == r["__nvidia_driver_module_package"]
+    # What `hold` holds (the kernel metapackage of the flavour; none on RedHat).
+    assert r["__nvidia_driver_kernel_hold_packages"] == hold
+    # Given package lists are the operator's: nothing is added to them.
+    mine = role_eval("nvidia_driver", facts, nvidia_driver_kernel_upgrades=upgrades,
+                     nvidia_driver_kernel_packages=["nvidia-kernel-open-dkms"])
+    assert mine["__nvidia_driver_kernel_effective"] == ["nvidia-kernel-open-dkms"]
 
 
 def test_nvidia_ubuntu_and_rhel_dispatch(role_eval: Any, debian_container: dict) -> None:
@@ -115,9 +168,15 @@ def test_nvidia_ubuntu_and_rhel_dispatch(role_eval: Any, debian_container: dict)
     r = role_eval("nvidia_driver", ubuntu, nvidia_driver_source="distro", nvidia_driver_branch="535")
     assert r["__nvidia_driver_userspace_effective"][0] == "nvidia-utils-535-server"
     assert r["__nvidia_driver_os_components"]["distro"] == ["restricted", "multiverse"]
-    assert r["__nvidia_driver_fabricmanager_effective"] == ["cuda-drivers-fabricmanager-535"]
+    assert r["__nvidia_driver_fabricmanager_effective"] == ["cuda-drivers-fabricmanager-535", "libnvidia-nscq-535"]
+    assert r["__nvidia_driver_kernel_effective"][0] == "nvidia-driver-535-server-open"
+    r = role_eval("nvidia_driver", ubuntu, nvidia_driver_kernel_module_type="proprietary")
+    assert r["__nvidia_driver_kernel_effective"][0] == "cuda-drivers-580"
     rhel = {**debian_container, "distribution": "Rocky", "os_family": "RedHat", "distribution_major_version": "9"}
     r = role_eval("nvidia_driver", rhel)
+    assert "@nvidia-driver:580-open" in r["__nvidia_driver_kernel_effective"]
+    assert r["__nvidia_driver_fabricmanager_effective"] == ["cuda-drivers-fabricmanager-580", "libnvidia-nscq-580"]
+    r = role_eval("nvidia_driver", rhel, nvidia_driver_kernel_module_type="proprietary")
     assert "@nvidia-driver:580-dkms" in r["__nvidia_driver_kernel_effective"]
     assert r["__nvidia_driver_os_components"]["cuda_repo"] == ["epel", "crb"]
 
@@ -127,9 +186,10 @@ NVSWITCH = "/sys/bus/pci/devices/0000:05:00.0"
 
 @pytest.mark.parametrize(
     ("source", "container", "fabricmanager", "packages"),
-    [("cuda_repo", False, True, ["cuda-drivers-fabricmanager-580"]),
+    # With the fabric manager, NSCQ: without it DCGM (dcgmi, the exporter) does not see the NVSwitches.
+    [("cuda_repo", False, True, ["cuda-drivers-fabricmanager-580", "libnvidia-nscq-580"]),
      ("distro", False, True, []),  # Debian packages none: the preflight stops the node
-     ("cuda_repo", True, False, ["cuda-drivers-fabricmanager-580"])],
+     ("cuda_repo", True, False, ["cuda-drivers-fabricmanager-580", "libnvidia-nscq-580"])],
 )
 def test_nvidia_fabric_manager_on_nvswitch_systems(
     role_eval: Any, hardware: Any, debian_container: dict, source: str, container: bool, fabricmanager: bool,
@@ -148,6 +208,17 @@ def test_nvidia_fabric_manager_on_nvswitch_systems(
 
 def _module(version: str) -> dict:
     return {"content": base64.b64encode(f"{version}\n".encode()).decode()} if version else {}
+
+
+# /proc/driver/nvidia/version's first line, as each flavour of 580.65.06 writes it.
+PROC_VERSION = {
+    "open": "NVRM version: NVIDIA UNIX Open Kernel Module for x86_64  580.65.06  Release Build  (dvs-builder@U16)",
+    "proprietary": "NVRM version: NVIDIA UNIX x86_64 Kernel Module  580.65.06  Sun Jul 27 07:09:32 UTC 2025",
+}
+
+
+def _proc(flavour: str) -> dict:
+    return {"content": base64.b64encode((PROC_VERSION[flavour] + "\nGCC version:  gcc 12.2.0\n").encode()).decode()}
 
 
 # Recorded states of a bare-metal GPU node after the role's install step: the module loaded before it, the
@@ -177,6 +248,7 @@ def test_nvidia_reboot_decision_on_recorded_states(
         nvidia_driver_branch=installed.split(".")[0],
         nvidia_driver_version=installed + "-1" if loaded.startswith(installed.split(".")[0]) else "",
         __nvidia_driver_module_version=_module(loaded),
+        __nvidia_driver_proc_version=_proc("open"),
         nvidia_driver_installed_version=installed,
         __nvidia_driver_nouveau={"stat": {"exists": nouveau}},
     )
@@ -235,11 +307,34 @@ def test_nvidia_no_reboot_in_a_container_or_for_a_driver_left_alone(
 ) -> None:
     facts = debian_container if container else _bare_metal(debian_container)
     r = role_eval("nvidia_driver", facts, shardstack_hardware=hardware(pci=(GPU,)),
-                  __nvidia_driver_module_version=_module(loaded), nvidia_driver_installed_version="580.65.06",
+                  __nvidia_driver_module_version=_module(loaded), __nvidia_driver_proc_version=_proc("open"),
+                  nvidia_driver_installed_version="580.65.06",
                   __nvidia_driver_nouveau={"stat": {"exists": True}})
     assert r["__nvidia_driver_reboot_needed"] is False and r["__nvidia_driver_load_now"] is False
     # A driver left alone still gets its services (persistenced, fabric manager) kept running on bare metal.
     assert r["__nvidia_driver_kernel_host"] is (not container)
+
+
+@pytest.mark.parametrize(("loaded", "wanted", "left_alone"), [
+    ("open", "open", True), ("proprietary", "proprietary", True), ("proprietary", "open", False),
+    ("open", "proprietary", False)])
+def test_nvidia_loaded_module_of_the_other_flavour_is_replaced(
+    role_eval: Any, hardware: Any, debian_container: dict, loaded: str, wanted: str, left_alone: bool
+) -> None:
+    """A node running 580.65.06 of the other flavour is installed (the module packages conflict: apt swaps them),
+    and the loaded module can only be replaced by a reboot, like one of another version."""
+    r = role_eval("nvidia_driver", _bare_metal(debian_container), shardstack_hardware=hardware(pci=(GPU,)),
+                  __nvidia_driver_module_version=_module("580.65.06"), __nvidia_driver_proc_version=_proc(loaded),
+                  nvidia_driver_kernel_module_type=wanted, nvidia_driver_installed_version="580.65.06",
+                  __nvidia_driver_nouveau={"stat": {"exists": False}})
+    assert r["__nvidia_driver_loaded_type"] == loaded
+    assert r["__nvidia_driver_loaded_matches"] is left_alone
+    assert r["__nvidia_driver_reboot_needed"] is (not left_alone)
+    if not left_alone:
+        assert r["__nvidia_driver_reboot_reasons"] == [
+            f"the loaded module is the {loaded} one, the installed the {wanted} one (nvidia_driver_kernel_module_type)"]
+    else:
+        assert f"driver 580.65.06 ({loaded}) is loaded and matches branch 580" in r["__nvidia_driver_reason"]
 
 
 @pytest.mark.parametrize(("pci", "force", "enabled"), [([], False, False), ([], True, True), ([GPU], False, True)])
@@ -279,13 +374,69 @@ def test_rdma_gate(
     peermem: bool,
 ) -> None:
     facts = debian_container if container else _bare_metal(debian_container)
-    r = role_eval("rdma", facts, shardstack_hardware=hardware(pci=(GPU,), rdma=tuple(ib)), rdma_force=force)
+    r = role_eval("rdma", facts, shardstack_hardware=hardware(pci=(GPU,), rdma=tuple(ib)), rdma_force=force,
+                  __rdma_ofed_info={"stat": {"exists": True}})
     assert r["__rdma_enabled"] is enabled
     assert r["__rdma_kernel"] is kernel
     assert r["__rdma_peermem"] is peermem
     assert ("nvidia-peermem" in r["__rdma_modules_effective"]) is peermem
     if not enabled:
         assert r["__rdma_reason"].startswith("skipped: no RDMA device under /sys/class/infiniband")
+
+
+@pytest.mark.parametrize(
+    ("ofed", "force", "kernel", "proc", "peermem", "gpudirect"),
+    [
+        # MLNX OFED's ib_core has the peer-memory API nvidia-peermem registers with.
+        (True, False, "6.1.0-28-amd64", "open", True, "nvidia-peermem (MLNX OFED)"),
+        # Inbox rdma-core (Debian's): nvidia-peermem's init returns -EINVAL; NCCL uses DMA-BUF.
+        (False, False, "6.1.0-28-amd64", "open", False,
+         "DMA-BUF (nvidia-peermem skipped: no MLNX OFED (ofed_info), inbox rdma-core has no peer-memory API)"),
+        (False, True, "6.1.0-28-amd64", "open", True, "nvidia-peermem (rdma_peermem_force)"),
+        # No DMA-BUF either: the proprietary module, or a kernel before 5.12.
+        (False, False, "6.1.0-28-amd64", "proprietary", False,
+         "none: the loaded nvidia module is the proprietary one (nvidia_driver_kernel_module_type: open)"),
+        (False, False, "5.10.0-32-amd64", "open", False, "none: Linux 5.10.0-32-amd64 is older than 5.12"),
+        # The module not loaded yet (a reboot pending): DMA-BUF is assumed, the driver role installs the open one.
+        (False, False, "6.1.0-28-amd64", "", False,
+         "DMA-BUF (nvidia-peermem skipped: no MLNX OFED (ofed_info), inbox rdma-core has no peer-memory API)"),
+    ],
+)
+def test_rdma_peermem_only_with_ofed(
+    role_eval: Any, hardware: Any, debian_container: dict, ofed: bool, force: bool, kernel: str, proc: str,
+    peermem: bool, gpudirect: str
+) -> None:
+    r = role_eval("rdma", {**_bare_metal(debian_container), "kernel": kernel},
+                  shardstack_hardware=hardware(pci=(GPU,), rdma=(IB,)), rdma_peermem_force=force,
+                  __rdma_ofed_info={"stat": {"exists": ofed}},
+                  __rdma_nvidia_version=_proc(proc) if proc else {"failed": True})
+    assert r["__rdma_peermem"] is peermem
+    assert ("nvidia-peermem" in r["__rdma_modules_effective"]) is peermem
+    assert ("nvidia-peermem" in r.render("modules-load.conf.j2").splitlines()) is peermem
+    assert r["__rdma_gpudirect"] == gpudirect
+    assert f"GPUDirect RDMA {gpudirect}" in r["__rdma_reason"]
+    # The preflight warns exactly where there is no GPUDirect RDMA at all.
+    tasks = yaml.safe_load((ROLES / "rdma/tasks/preflight.yml").read_text())
+    warn = next(task for task in tasks if task["name"] == "Preflight - warn when GPUDirect RDMA is unavailable")
+    assert r[warn["when"]] is gpudirect.startswith("none")
+
+
+@pytest.mark.parametrize(("enabled", "ib", "container", "opensm"), [
+    (True, True, False, True), (False, True, False, False),
+    (True, False, False, False),  # no adapter: nothing to manage
+    (True, True, True, False)])  # a container has no umad device of its own
+def test_rdma_opensm_where_enabled(
+    role_eval: Any, hardware: Any, debian_container: dict, enabled: bool, ib: bool, container: bool, opensm: bool
+) -> None:
+    facts = debian_container if container else _bare_metal(debian_container)
+    r = role_eval("rdma", facts, shardstack_hardware=hardware(rdma=(IB,) if ib else ()), rdma_opensm_enabled=enabled,
+                  rdma_force=True)
+    assert r["__rdma_opensm"] is opensm
+    assert ("opensm" in r["__rdma_packages_effective"]) is opensm
+    assert ("subnet manager opensm" in r["__rdma_reason"]) is opensm
+    mine = role_eval("rdma", facts, shardstack_hardware=hardware(rdma=(IB,) if ib else ()),
+                     rdma_opensm_enabled=enabled, rdma_packages=["rdma-core"])
+    assert mine["__rdma_packages_effective"] == ["rdma-core"] + (["opensm"] if opensm else [])
 
 
 def test_rdma_no_peermem_without_gpu(role_eval: Any, hardware: Any, debian_container: dict) -> None:

@@ -43,6 +43,70 @@ def test_nccl_conf_infiniband_node(role_eval: Any, hardware: Any, debian_contain
     ]
 
 
+# find -L /sys/class/infiniband -mindepth 4 -maxdepth 4 ... -exec grep -H . on an HGX H100 node: eight ConnectX-7
+# compute rails (mlx5_0..3, mlx5_6..9, NDR InfiniBand), a storage rail on the fabric too (mlx5_10), a BlueField-3
+# in DPU mode (mlx5_4, mlx5_5: Ethernet link layer), and mlx5_11 uncabled.
+IB_PORTS = [
+    *(line for ca in (0, 1, 2, 3, 6, 7, 8, 9, 10) for line in (
+        f"/sys/class/infiniband/mlx5_{ca}/ports/1/link_layer:InfiniBand",
+        f"/sys/class/infiniband/mlx5_{ca}/ports/1/phys_state:5: LinkUp")),
+    "/sys/class/infiniband/mlx5_4/ports/1/link_layer:Ethernet",
+    "/sys/class/infiniband/mlx5_4/ports/1/phys_state:5: LinkUp",
+    "/sys/class/infiniband/mlx5_5/ports/1/link_layer:Ethernet",
+    "/sys/class/infiniband/mlx5_5/ports/1/phys_state:5: LinkUp",
+    "/sys/class/infiniband/mlx5_11/ports/1/link_layer:InfiniBand",
+    "/sys/class/infiniband/mlx5_11/ports/1/phys_state:3: Disabled",
+]
+RAILS = "mlx5_0:1,mlx5_1:1,mlx5_2:1,mlx5_3:1,mlx5_6:1,mlx5_7:1,mlx5_8:1,mlx5_9:1"
+
+
+@pytest.mark.parametrize(
+    ("overrides", "hca"),
+    [
+        # Discovered: InfiniBand and LinkUp, less the storage rail; in adapter order (mlx5_10 after mlx5_9).
+        ({"nccl_ib_hca_exclude": ["mlx5_10"]}, f"={RAILS}"),
+        ({"nccl_ib_hca_exclude": ["mlx5_10:1"]}, f"={RAILS}"),
+        ({}, f"={RAILS},mlx5_10:1"),
+        # The inventory's rails: a list gets the exact-match prefix, a string is rendered as the operator wrote it.
+        ({"nccl_ib_hca": ["mlx5_0:1", "mlx5_1:1"]}, "=mlx5_0:1,mlx5_1:1"),
+        ({"nccl_ib_hca": ["mlx5_0", "mlx5_1"]}, "=mlx5_0,mlx5_1"),
+        ({"nccl_ib_hca": "mlx5"}, "mlx5"),
+        ({"nccl_ib_hca_discover": False}, None),
+        ({"nccl_ib_disable": "true"}, None),  # no IB transport: nothing to pick
+    ],
+)
+def test_nccl_ib_hca_compute_rails(role_eval: Any, hardware: Any, debian_container: dict, overrides: dict,
+                                   hca: str | None) -> None:
+    r = role_eval("nccl", debian_container, ansible_host="10.0.0.11",
+                  shardstack_hardware=hardware(rdma=tuple(f"/sys/class/infiniband/mlx5_{i}" for i in range(12))),
+                  __nccl_ib_ports={"stdout_lines": IB_PORTS}, **overrides)
+    lines = [line for line in _lines(r.render("nccl.conf.j2")) if line.startswith("NCCL_IB_HCA=")]
+    assert lines == ([f"NCCL_IB_HCA={hca}"] if hca else [])
+
+
+def test_nccl_ib_hca_not_discovered_without_adapters(role_eval: Any, hardware: Any, debian_container: dict) -> None:
+    r = role_eval("nccl", debian_container, ansible_host="10.0.0.11", shardstack_hardware=hardware())
+    assert r["__nccl_ib_discover"] is False
+    assert not any(line.startswith("NCCL_IB_HCA") for line in _lines(r.render("nccl.conf.j2")))
+
+
+@pytest.mark.parametrize(("mpi", "builddir", "flags", "packages"), [
+    (True, "/opt/nccl-tests/build-mpi", ["MPI=1", "MPI_HOME=/usr/lib/x86_64-linux-gnu/openmpi"],
+     ["git", "make", "g++", "openmpi-bin", "libopenmpi-dev"]),
+    (False, "/opt/nccl-tests/build", ["MPI=0"], ["git", "make", "g++"]),
+])
+def test_nccl_tests_build_with_debians_open_mpi(role_eval: Any, debian_container: dict, mpi: bool, builddir: str,
+                                                 flags: list, packages: list) -> None:
+    """MPI=1 against Debian's Open MPI (libopenmpi-dev: /usr/lib/x86_64-linux-gnu/openmpi/{include/mpi.h,
+    lib/libmpi.so}); each mode builds into its own directory, so switching modes rebuilds."""
+    r = role_eval("nccl", {**debian_container, "processor_vcpus": 64}, nccl_tests_mpi=mpi)
+    assert r["__nccl_tests_builddir"] == builddir
+    assert r["__nccl_tests_make"] == ["make", "-j64", "CUDA_HOME=/usr/local/cuda", f"BUILDDIR={builddir}", *flags]
+    assert r["__nccl_tests_packages"] == packages
+    arm = role_eval("nccl", {**debian_container, "architecture": "aarch64"}, nccl_tests_mpi=True)
+    assert "MPI_HOME=/usr/lib/aarch64-linux-gnu/openmpi" in arm["__nccl_tests_make"]
+
+
 def test_nccl_ifname_falls_back_to_the_default_route(role_eval: Any, debian_container: dict) -> None:
     facts = {**debian_container, "default_ipv4": {"interface": "ens5"}}
     assert role_eval("nccl", facts, ansible_host="gpu01.example")["__nccl_socket_ifname"] == "ens5"
