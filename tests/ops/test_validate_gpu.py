@@ -84,6 +84,12 @@ def test_the_all_reduce_on_gloo_fails_a_cluster_with_gpu_train_nodes() -> None:
     assert gpu_findings({"cpu1": CPU_NODE}, gloo) == []
 
 
+def test_pcie_problems_are_findings() -> None:
+    report = {**published(), "pcie_problems": ["0000:05:00.0 (PCIe switch port): ACS SrcValid+ redirects peer traffic"]}
+    assert gpu_findings({"gpu1": report}, NCCL) == [
+        "gpu1: pcie: 0000:05:00.0 (PCIe switch port): ACS SrcValid+ redirects peer traffic"]
+
+
 def test_a_node_whose_probe_did_not_run_is_a_finding() -> None:
     report = {"accel": {}, "accel_error": "[Errno 2] No such file or directory: b'/opt/shardstack/venv/bin/python'",
               "train_node": True}

@@ -19,7 +19,7 @@ def node_facts(report: dict[str, Any]) -> NodeFacts | None:
 
 
 def gpu_findings(gpu: dict[str, Any], allreduce: dict[str, Any] | None) -> list[str]:
-    """Per node, each check (driver, torch build, cuda, dcgm) that fails; and the backend of the all-reduce."""
+    """Per node, each check (driver, torch build, cuda, dcgm, PCIe) that fails; and the backend of the all-reduce."""
     bad = []
     nvidia_train_nodes = []
     for host, report in sorted(gpu.items()):
@@ -29,6 +29,9 @@ def gpu_findings(gpu: dict[str, Any], allreduce: dict[str, Any] | None) -> list[
             bad.append(f"{host}: node facts: `python -m shardstack.accel` gave no result: {why}")
             continue
         bad += [f"{host}: {p}" for p in gpu_problems(facts)]
+        # ACS on a PCIe switch or IOMMU translation since the deploy (a BIOS update, a new kernel command line):
+        # GPU peer-to-peer and GPUDirect RDMA silently slow down or stop.
+        bad += [f"{host}: pcie: {p}" for p in report.get("pcie_problems") or []]
         if facts.has_nvidia and report.get("train_node"):
             nvidia_train_nodes.append(host)
     if allreduce and allreduce.get("backend") != "nccl" and nvidia_train_nodes:
