@@ -112,7 +112,7 @@ def test_scheduling_conf_requeue_and_priorities(role_eval: Any, debian_container
     assert {"JobRequeue=1", "ReturnToService=1", "SlurmdTimeout=300", "KillWait=330",
             "PriorityWeightFairshare=10000", "SchedulerType=sched/backfill"} <= set(lines)
     # A preempted training job gets its SIGUSR1 at once and GraceTime (slurm.conf) to save a checkpoint.
-    assert "PreemptParameters=send_user_signal" in lines
+    assert "SchedulerParameters=preempt_send_user_signal" in lines
     assert lines[-1] == "MaxJobCount=20000"
 
 
