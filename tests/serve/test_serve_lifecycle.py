@@ -248,11 +248,17 @@ def test_sigterm_drains_in_flight_refuses_new_and_exits_zero(small_svc: Service)
     # Runs last in this module: it ends the shared service. 3 requests on 2 slots: 2 decoding, 1 queued.
     svc = small_svc
     results: list[tuple[int, str, int]] = []
+    # The three must arrive together: one arriving after the first has finished (a thread started late on a busy
+    # machine) would find a free slot, and 2 running + 1 waiting would never be seen. So: one pooled client, and
+    # the three sent past one barrier.
+    client = httpx.Client(base_url=svc.url, timeout=120, limits=httpx.Limits(max_connections=3))
+    barrier = threading.Barrier(3)
 
     def streaming_request(i: int) -> None:
         body = {"prompt": f"in flight {i}", "max_tokens": 200, "stream": True, "seed": i,
                 "stream_options": {"include_usage": True}}
-        with httpx.stream("POST", svc.url + "/v1/completions", json=body, timeout=120) as r:
+        barrier.wait()
+        with client.stream("POST", "/v1/completions", json=body) as r:
             lines = [line for line in r.iter_lines() if line]
         usage = json.loads(lines[-2].removeprefix("data: "))["usage"]
         results.append((r.status_code, lines[-1], usage["completion_tokens"]))
@@ -275,6 +281,7 @@ def test_sigterm_drains_in_flight_refuses_new_and_exits_zero(small_svc: Service)
     assert refused.headers["retry-after"] == "1"
     for t in threads:
         t.join(120)
+    client.close()
     assert results == [(200, "data: [DONE]", 200)] * 3  # the queued one too
     assert svc.proc.wait(60) == 0, svc.log()
     assert "Traceback" not in svc.log()
