@@ -17,8 +17,8 @@ from pathlib import Path
 
 import pytest
 from shardstack.train import dist
-from shardstack.train.checkpoint.checkpointer import SPACE_MARGIN_BYTES, SPACE_MARGIN_RATIO, SpaceCheck
 from shardstack.train.checkpoint.layout import MANIFEST, list_checkpoints
+from shardstack.train.checkpoint.space import SPACE_MARGIN_BYTES, SPACE_MARGIN_RATIO, SpaceCheck
 from shardstack.train.config import MetricsConfig, config_from_dict
 from shardstack.train.data import prepare
 from shardstack.train.metrics import MetricsProcessor

@@ -1,6 +1,7 @@
 """The collective side of checkpoints: every rank saves its DCP shards, rank 0 commits with a signed manifest (see
-`layout` for the on-disk format), and resume takes the newest checkpoint that verifies, quarantining the invalid
-ones it passes, and refuses it when it belongs to another job (or, unless allowed, to another config).
+`layout` for the on-disk format) and prunes; `resume` loads the checkpoint a job goes on from (`resume.Resume`: the
+newest that verifies, quarantining the invalid ones it passes, refusing another job's), `space` decides whether one
+more fits.
 
 Ownership: every manifest names its `job` (the job config's name) and a `run_id`: a random id drawn at the first
 save of a job that did not resume, and copied from the checkpoint on every resume, so it names one line of history
@@ -11,7 +12,6 @@ from __future__ import annotations
 
 import logging
 import os
-import shutil
 import socket
 import time
 import uuid
@@ -20,14 +20,11 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Protocol
+from typing import TYPE_CHECKING, Any
 
 import torch
-import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
-from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.stateful import Stateful
-from torch.distributed.tensor import DTensor
 
 from shardstack.errors import ShardstackError
 from shardstack.signing import SigningKey, load_signing_key, sign
@@ -35,26 +32,19 @@ from shardstack.train.checkpoint.layout import (
     DCP_METADATA,
     MANIFEST,
     MANIFEST_FORMAT,
-    STALE_RE,
-    Problem,
-    check_files,
     file_entry,
     fsync_dir,
     fsync_file,
     list_checkpoints,
     quarantine,
-    read_manifest,
     remove_tree,
     step_dir_name,
     verify_checkpoint,
     write_json_durable,
 )
-from shardstack.train.checkpoint.reader import (
-    CheckpointReader,
-    ChecksumMismatch,
-    WeightsOnlyLoadPlanner,
-    dcp_failure,
-)
+from shardstack.train.checkpoint.ranks import DistLike, Ranks
+from shardstack.train.checkpoint.resume import Resume, quarantine_quietly
+from shardstack.train.checkpoint.space import SpaceCheck, check_space
 from shardstack.train.dist import process_group_timeout
 
 if TYPE_CHECKING:
@@ -62,47 +52,11 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("shardstack.checkpoint")
 
-# One more checkpoint needs its estimated size plus this much: shard sizes drift with the world size and the
-# filesystem needs room for its own metadata.
-SPACE_MARGIN_RATIO = 0.10
-SPACE_MARGIN_BYTES = 64 * 2**20
-
-
-class _DistLike(Protocol):
-    rank: int
-    world_size: int
-
-
-@dataclass(frozen=True)
-class SpaceCheck:
-    """The free-space check before a save, as every rank saw it."""
-
-    step: int
-    free_bytes: int  # the least any rank's checkpoint filesystem reported
-    needed_bytes: int  # the estimated size of one checkpoint plus the margin
-    skipped: bool
-
-
 @dataclass
 class _PendingSave:
     step: int
     future: Future
     started: float = field(default_factory=time.monotonic)
-
-
-def _free_bytes(path: Path) -> int:
-    """Free bytes (for unprivileged writers) on the filesystem `path` is on, or would be on once created."""
-    while not path.exists() and path != path.parent:
-        path = path.parent
-    return shutil.disk_usage(path).free
-
-
-def _quarantine(path: Path, problem: Problem) -> None:
-    """Quarantine on rank 0 without ever raising: the other ranks are not waiting for it, they must not hang."""
-    try:
-        log.warning("quarantined %s as %s", path.name, quarantine(path, problem).name)
-    except OSError as exc:
-        log.warning("could not quarantine %s: %s", path, exc.strerror)
 
 
 class Checkpointer:
@@ -121,7 +75,7 @@ class Checkpointer:
         *,
         config_hash: str,
         job: str,
-        dist: _DistLike | None = None,
+        dist: DistLike | None = None,
         stage: int | None = None,
         job_config: dict[str, Any] | None = None,
         on_space_check: Callable[[SpaceCheck], None] | None = None,
@@ -141,11 +95,8 @@ class Checkpointer:
         self.on_commit = on_commit
         self.enabled = cfg.dir is not None
         self.root = Path(cfg.dir) if cfg.dir is not None else None
-        self._distributed = torch.distributed.is_available() and torch.distributed.is_initialized()
-        self.rank = dist.rank if dist is not None else (torch.distributed.get_rank() if self._distributed else 0)
-        self.world_size = (
-            dist.world_size if dist is not None else (torch.distributed.get_world_size() if self._distributed else 1)
-        )
+        self.ranks = Ranks(dist)
+        self.rank, self.world_size = self.ranks.rank, self.ranks.world_size
         self.last_saved_step: int | None = None
         self.last_save_seconds: float | None = None  # blocking time of the last save (staging only when async)
         self.skipped_saves = 0
@@ -157,7 +108,7 @@ class Checkpointer:
         self.key: SigningKey | None = self._open_key() if self.enabled else None
         if self.enabled and self.async_save:
             self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="shardstack-ckpt")
-            if self._distributed:
+            if self.ranks.distributed:
                 # Async uploads run collectives from a background thread: give them their own gloo group so they
                 # can never interleave with the training loop's collectives on the default group. Its timeout is
                 # the job's (a new group does not inherit the default group's): these are the NFS-bound ones.
@@ -186,7 +137,7 @@ class Checkpointer:
                 key = load_signing_key(key_path)
             except ShardstackError as exc:
                 error = (exc.args[0], exc.hint)
-        errors = [(rank, e) for rank, e in enumerate(self._all_gather(error)) if e is not None]
+        errors = [(rank, e) for rank, e in enumerate(self.ranks.all_gather(error)) if e is not None]
         if errors:
             rank, (message, hint) = errors[0]
             where = f" (rank {rank})" if self.world_size > 1 else ""
@@ -195,29 +146,6 @@ class Checkpointer:
                 "a local single-user run without one can set checkpoint.require_signature: false")
         return key
 
-    # -- collectives that degrade to local calls when there is no process group ---------------------------------
-
-    def _broadcast(self, obj: Any, group=None) -> Any:
-        if not self._distributed:
-            return obj
-        box = [obj]
-        dist.broadcast_object_list(box, src=0, group=group)
-        return box[0]
-
-    def _gather(self, obj: Any, group=None) -> list[Any] | None:
-        if not self._distributed:
-            return [obj]
-        out: list[Any] | None = [None] * self.world_size if self.rank == 0 else None
-        dist.gather_object(obj, out, dst=0, group=group)
-        return out
-
-    def _all_gather(self, obj: Any) -> list[Any]:
-        if not self._distributed:
-            return [obj]
-        out: list[Any] = [None] * self.world_size
-        dist.all_gather_object(out, obj)
-        return out
-
     # -- resume ----------------------------------------------------------------------------------------------------
 
     def resume(self, app_state: Stateful) -> int:
@@ -225,18 +153,13 @@ class Checkpointer:
         if not self.enabled or self.cfg.resume == "never":
             return 0
         assert self.root is not None
-        if self.rank == 0:
-            self.root.mkdir(parents=True, exist_ok=True)
-            self._remove_stale()
         t0 = time.monotonic()
-        if self.cfg.resume == "auto":
-            chosen = self._load_newest_valid(app_state)
-            if chosen is None:
-                if self.rank == 0:
-                    log.info("no valid checkpoint under %s: starting from step 0", self.root)
-                return 0
-        else:
-            chosen = self._load_explicit(Path(self.cfg.resume), app_state)
+        chosen = Resume(self.cfg, self.root, self.key, job=self.job, config_hash=self.config_hash,
+                        ranks=self.ranks).load(app_state)
+        if chosen is None:
+            if self.rank == 0:
+                log.info("no valid checkpoint under %s: starting from step 0", self.root)
+            return 0
         path, manifest = chosen
         step = manifest["step"]
         self.last_saved_step = step
@@ -250,140 +173,6 @@ class Checkpointer:
                 manifest["stage"], self.world_size, time.monotonic() - t0, self.job, self.run_id or "new",
             )
         return step
-
-    def _check_owner(self, path: Path, manifest: dict[str, Any]) -> None:
-        """Refuse another job's checkpoint always; one from another config, or one that names no job (written
-        before manifests did), only with checkpoint.allow_config_change."""
-        allow = self.cfg.allow_config_change
-        flag = "--allow-config-change (checkpoint.allow_config_change: true)"
-        theirs = manifest.get("job")
-        if theirs is not None and theirs != self.job:
-            raise ShardstackError(
-                f"checkpoint {path} belongs to job {theirs!r}, not to this job {self.job!r}: refusing to resume it",
-                hint=f"give each job its own checkpoint.dir: point job {self.job!r} at another one, or move job "
-                     f"{theirs!r}'s checkpoints out of {self.root}")
-        if theirs is None and not allow:
-            raise ShardstackError(
-                f"checkpoint {path} names no job (it was written before checkpoints recorded their job), so it "
-                f"cannot be told apart from another job's; this job is {self.job!r}: refusing to resume it",
-                hint=f"if it is this job's, resume once with {flag} to adopt it; otherwise give this job its own "
-                     "checkpoint.dir")
-        changed = manifest["config_hash"] != self.config_hash
-        if changed and not allow:
-            raise ShardstackError(
-                f"checkpoint {path} of job {self.job!r} was written with config hash {manifest['config_hash']}, "
-                f"this job's config hashes to {self.config_hash}: refusing to resume it",
-                hint=f"the model, data, optimizer, schedule, global batch or seed changed; continue anyway with "
-                     f"{flag}, or start over with checkpoint.resume: never or another checkpoint.dir")
-        if self.rank == 0 and theirs is None:
-            log.warning("adopting checkpoint %s, which names no job, as job %s's (allow_config_change); its next "
-                        "checkpoint starts a new run id", path.name, self.job)
-        if self.rank == 0 and changed:
-            log.warning("checkpoint %s was written with config hash %s, this job has %s; resuming anyway "
-                        "(allow_config_change; model and optimizer shapes are checked by the load)",
-                        path.name, manifest["config_hash"], self.config_hash)
-
-    def _load(self, path: Path, manifest: dict[str, Any], app_state: Stateful) -> tuple[Problem | None, bool]:
-        """DCP load through the restricted reader and planner, which checks every file it reads against the signed
-        manifest's sha256 as it reads it (the resume's one read of each file; nothing is deserialized before its
-        file matched). A mismatch, or a `.metadata` that is not checkpoint metadata, is the Problem returned on
-        every rank, with whether `app_state` may hold part of the checkpoint (its other files' items); any other
-        rank's failure is one clear error on all."""
-        reader = CheckpointReader(path, manifest["files"], verify_reads=True)
-        problem: Problem | None = None
-        try:
-            reader.read_metadata()  # parsed and checked here, on every rank, so DCP never meets a bad one
-        except ChecksumMismatch as exc:
-            problem = Problem("checksum-mismatch", str(exc))
-        except ShardstackError as exc:
-            problem = Problem("bad-metadata", str(exc))
-        problems = [p for p in self._all_gather(problem) if p is not None]
-        if problems:
-            return problems[0], False
-        state = app_state.state_dict()
-        try:
-            dcp.load(state, storage_reader=reader, planner=WeightsOnlyLoadPlanner())
-        except CheckpointException as exc:
-            mismatch = next((err for err, _ in exc.failures.values() if isinstance(err, ChecksumMismatch)), None)
-            if mismatch is not None:
-                return Problem("checksum-mismatch", str(mismatch)), True
-            raise ShardstackError(f"cannot load checkpoint {path}: {dcp_failure(exc)}") from None
-        app_state.load_state_dict(state)
-        return None, True
-
-    def _load_explicit(self, path: Path, app_state: Stateful) -> tuple[Path, dict[str, Any]]:
-        if not path.is_absolute() and not path.exists():
-            path = self.root / path  # type: ignore[operator]
-        parsed = self._broadcast(read_manifest(path, key=self.key) if self.rank == 0 else None)
-        problem = self._verify_everywhere(path, parsed)
-        if problem is None:
-            self._check_owner(path, parsed[0])  # the same broadcast manifest on every rank: all raise or none does
-            problem, _ = self._load(path, parsed[0], app_state)
-        if problem is not None:
-            raise ShardstackError(
-                f"checkpoint.resume names {path}, which is not a valid checkpoint: {problem}",
-                hint="use resume: auto to take the newest valid checkpoint, or never to start fresh",
-            )
-        return path, parsed[0]
-
-    def _load_newest_valid(self, app_state: Stateful) -> tuple[Path, dict[str, Any]] | None:
-        """Load the newest checkpoint that verifies and loads, trying older ones; each invalid one is quarantined
-        (rank 0), except those signed with another key: they may be fine, and this job must not start over on top
-        of them. A file whose sha256 differs is found by the load itself (it reads each file once, hashing it), so
-        the state may already hold another file's items: loading an older checkpoint overwrites all of them, but
-        with none left this process must not train on from step 0."""
-        candidates = self._broadcast(list_checkpoints(self.root) if self.rank == 0 else None)  # type: ignore[arg-type]
-        other_key: list[Problem] = []
-        partly_loaded: tuple[Path, Problem] | None = None
-        for _step, path in reversed(candidates):
-            parsed = self._broadcast(read_manifest(path, key=self.key) if self.rank == 0 else None)
-            problem = self._verify_everywhere(path, parsed)
-            if problem is None:
-                self._check_owner(path, parsed[0])  # the same broadcast manifest everywhere: all raise or none
-                problem, touched = self._load(path, parsed[0], app_state)
-                if problem is None:
-                    return path, parsed[0]
-                if touched:
-                    partly_loaded = (path, problem)
-            if problem.reason == "other-key":
-                other_key.append(problem)
-                if self.rank == 0:
-                    log.warning("skipping checkpoint %s: %s; trying the previous one", path, problem)
-                continue
-            if self.rank == 0:
-                log.warning("skipping checkpoint %s: %s; trying the previous one", path, problem)
-                _quarantine(path, problem)
-        if other_key:
-            raise ShardstackError(
-                f"no checkpoint under {self.root} is signed with this job's key, and {len(other_key)} are signed "
-                f"with another: {other_key[0]}",
-                hint="put the key they were signed with at checkpoint.signing_key_file, or move those checkpoints "
-                     "away to start from step 0")
-        if partly_loaded is not None:
-            raise ShardstackError(
-                f"checkpoint {partly_loaded[0]} failed while it was loaded ({partly_loaded[1]}) and no older valid "
-                "checkpoint is left; part of it may already be in the model, so this run does not start over",
-                hint="run the job again: it starts from step 0 (the damaged checkpoint is quarantined)")
-        return None
-
-    def _verify_everywhere(self, path: Path, parsed: tuple[dict[str, Any] | None, Problem | None]) -> Problem | None:
-        """Verify that the files are there with their sizes (split across ranks); the first problem any rank found,
-        or None. The sha256 of each file is checked by the load, on the bytes it reads (`_load`): hashing here too
-        would read every file twice."""
-        manifest, problem = parsed
-        if manifest is None:
-            return problem
-        names = sorted(manifest["files"])
-        mine = check_files(path, manifest["files"], names[self.rank :: self.world_size], checksums=False)
-        problems = [p for p in self._all_gather(mine) if p is not None]
-        return problems[0] if problems else None
-
-    def _remove_stale(self) -> None:
-        """Directories of saves that never committed (a crash mid-save) or deletions that never finished."""
-        for entry in self.root.iterdir():  # type: ignore[union-attr]
-            if STALE_RE.match(entry.name) and entry.is_dir():
-                log.warning("removing %s: a save or delete that never finished", entry)
-                shutil.rmtree(entry, ignore_errors=True)
 
     # -- save ------------------------------------------------------------------------------------------------------
 
@@ -416,42 +205,6 @@ class Checkpointer:
         if self._pending is not None and self._pending.future.done() and self._pending.future.exception():
             self.wait()
 
-    def _state_bytes(self, state: Any) -> tuple[int, dict[str, int]]:
-        """(bytes of this rank's DTensor shards, {key: bytes} of its plain tensors): DCP writes each plain tensor
-        once however many ranks hold it under the same key, so those are counted as a union over ranks."""
-        sharded, plain = 0, {}
-        stack: list[tuple[str, Any]] = [("", state)]
-        while stack:
-            key, value = stack.pop()
-            if isinstance(value, DTensor):
-                local = value.to_local()
-                sharded += local.numel() * local.element_size()
-            elif isinstance(value, torch.Tensor):
-                plain[key] = value.numel() * value.element_size()
-            elif isinstance(value, dict):
-                stack.extend((f"{key}.{k}", v) for k, v in value.items())
-            elif isinstance(value, list | tuple):
-                stack.extend((f"{key}.{i}", v) for i, v in enumerate(value))
-        return sharded, plain
-
-    def _check_space(self, step: int, state: Any) -> SpaceCheck:
-        """One all-gather, so every rank takes the same decision: the least free space any rank sees against the
-        size of the last checkpoint this job committed or resumed (before the first, the state's tensor bytes)."""
-        assert self.root is not None
-        first = self.last_saved_step is None  # the same on every rank
-        views = self._all_gather((_free_bytes(self.root), self._last_total_bytes,
-                                  self._state_bytes(state) if first else None))
-        if views[0][1] is not None:  # rank 0 committed or resumed it
-            estimate = views[0][1]
-        else:
-            plain: dict[str, int] = {}
-            for *_, (_sharded, local_plain) in views:
-                plain.update(local_plain)
-            estimate = sum(v[2][0] for v in views) + sum(plain.values())
-        needed = int(estimate * (1 + SPACE_MARGIN_RATIO)) + SPACE_MARGIN_BYTES
-        free = min(v[0] for v in views)
-        return SpaceCheck(step=step, free_bytes=free, needed_bytes=needed, skipped=free < needed)
-
     def save(self, step: int, app_state: Stateful) -> bool:
         """Save `step` unless the checkpoint filesystem lacks the space for it (then warn and return False)."""
         if not self.enabled:
@@ -460,7 +213,8 @@ class Checkpointer:
         self.wait()  # one save in flight at a time; also surfaces a failed async save
         t0 = time.monotonic()
         state = app_state.state_dict()
-        space = self._check_space(step, state)
+        space = check_space(self.ranks, self.root, step, state, last_total_bytes=self._last_total_bytes,
+                            first=self.last_saved_step is None)
         if self.on_space_check is not None:
             self.on_space_check(space)
         if space.skipped:
@@ -473,11 +227,11 @@ class Checkpointer:
                     space.free_bytes / 2**20, space.needed_bytes / 2**20,
                     f"step {self.last_saved_step}" if self.last_saved_step is not None else "none")
             return False
-        nonce = self._broadcast(uuid.uuid4().hex[:8] if self.rank == 0 else None)
+        nonce = self.ranks.broadcast(uuid.uuid4().hex[:8] if self.rank == 0 else None)
         tmp = self.root / f"{step_dir_name(step)}.tmp-{nonce}"
         if self.rank == 0:
             tmp.mkdir(parents=True)
-        self._broadcast(None)  # the directory exists before any rank writes into it
+        self.ranks.broadcast(None)  # the directory exists before any rank writes into it
         if self.async_save:
             assert self._executor is not None
             upload = dcp.async_save(state, checkpoint_id=str(tmp), process_group=self._pg)
@@ -506,7 +260,7 @@ class Checkpointer:
         """Hash every rank's shards, then rank 0 writes the manifest and renames the directory into place."""
         # DCP names each rank's files __<rank>_<n>.distcp and has fsynced them; each rank hashes its own.
         local = {p.name: file_entry(p) for p in sorted(tmp.glob(f"__{self.rank}_*.distcp"))}
-        gathered = self._gather(local, group=group)
+        gathered = self.ranks.gather(local, group=group)
         error: str | None = None
         if self.rank == 0:
             try:
@@ -515,7 +269,7 @@ class Checkpointer:
                 error = f"could not commit checkpoint step {step} in {tmp}: {exc}"
             except ShardstackError as exc:
                 error = str(exc)
-        error = self._broadcast(error, group=group)  # doubles as the barrier: nobody moves on before the commit
+        error = self.ranks.broadcast(error, group=group)  # doubles as the barrier: nobody moves on before the commit
         if error is not None:
             raise ShardstackError(error)
         if self.on_commit is not None:
@@ -588,7 +342,7 @@ class Checkpointer:
             if info.problem is not None:
                 if info.problem.reason != "other-key":
                     log.warning("checkpoint %s is not valid: %s", path, info.problem)
-                    _quarantine(path, info.problem)
+                    quarantine_quietly(path, info.problem)
                 continue
             if not self._owns(info.manifest):
                 continue
