@@ -26,8 +26,8 @@ import time
 import urllib.error
 import urllib.request
 from collections import Counter
-from collections.abc import Callable, Iterator
-from concurrent.futures import FIRST_COMPLETED, ThreadPoolExecutor, wait
+from collections.abc import Callable, Iterator, Sequence
+from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
 from pathlib import Path
 from typing import Any
 
@@ -442,9 +442,14 @@ def test_stats_want_the_password_metrics_do_not(lb: dict) -> None:
     assert other.value.code == 404
 
 
-def _until(what: str, ready: Callable[[], bool], timeout: float = GATE_CEILING) -> None:
+def _until(what: str, ready: Callable[[], bool], timeout: float = GATE_CEILING,
+           answered: Sequence[Future] = ()) -> None:
+    """Wait for `ready`; none of the `answered` requests may come back before it is (that one's answer is the
+    failure's reason)."""
     deadline = time.monotonic() + timeout
     while not ready():
+        early = [f.result() for f in answered if f.done()]
+        assert not early, f"answered before {what}: {early}"
         assert time.monotonic() < deadline, f"not within {timeout}s: {what}"
         time.sleep(0.05)
 
@@ -477,8 +482,15 @@ def test_requests_beyond_every_servers_maxconn_wait_in_haproxys_queue(tmp_path: 
             ep = Endpoint(running["https"], None, files["ca_cert"])
             with ThreadPoolExecutor(3) as pool:
                 try:
-                    futures = [pool.submit(complete, ep, "x", timeout=GATE_CEILING) for _ in range(3)]
-                    _until("both servers hold a request", lambda: a.in_flight == b.in_flight == 1)
+                    # One at a time, each sent once the one before is held: the third finds no server free
+                    # whatever the order in which a loaded host would have delivered three sent together.
+                    futures: list[Future] = []
+                    for held in (1, 2):
+                        futures.append(pool.submit(complete, ep, "x", timeout=GATE_CEILING))
+                        _until(f"the servers hold {held} request(s)",
+                               lambda held=held: a.in_flight + b.in_flight == held, answered=futures)
+                    assert a.in_flight == b.in_flight == 1
+                    futures.append(pool.submit(complete, ep, "x", timeout=GATE_CEILING))
                     if queue == "1s":
                         # Both servers still held, so the first answer can only be HAProxy's own, after the
                         # third request sat out `timeout queue` (a lower bound: load only makes it longer).
@@ -542,7 +554,7 @@ def test_a_client_over_its_connection_limit_gets_429_while_its_held_requests_are
         with ThreadPoolExecutor(2) as pool:
             try:
                 held = [pool.submit(complete, lb["ep"], "x", timeout=GATE_CEILING) for _ in range(2)]
-                _until("two requests held by the backends", lambda: a.in_flight + b.in_flight == 2)
+                _until("two requests held by the backends", lambda: a.in_flight + b.in_flight == 2, answered=held)
                 status, body, headers = post(lb)
                 assert (status, body, headers["retry-after"]) == (429, TOO_MANY_CONNECTIONS.json(), "1")
                 assert a.in_flight + b.in_flight == 2 and a.hits.total() + b.hits.total() == 0
