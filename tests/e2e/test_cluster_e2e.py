@@ -297,8 +297,8 @@ def test_validate_finds_nothing_on_the_lab(lab3: LabCluster, walk: Walk) -> None
     expect(r"validate: successful in ", out)
     nodes = set(lab3.inv.groups["train_nodes"]) | set(lab3.inv.groups["inference_nodes"])
     assert out.count("no NVIDIA hardware (CPU node)") == len(nodes), out[-4000:]
-    allreduce = expect(r"validate: all-reduce across the train nodes[\s\S]*?│ (\w+)\s+│ (\d+)\s+│ (\d+)\s+│.*"
-                       r"│ ([\d.]+) Gbit/s\s*│ (\w+)", out)
+    allreduce = expect(r"validate: all-reduce, (\w+) × (\d+) rank\(s\) on (\d+) node\(s\)[\s\S]*?"
+                       r"│\s*16 MiB │[^│]*│[^│]*│\s*([\d.]+) Gbit/s │\s*(\w+) │", out)
     assert allreduce.group(1, 2, 3, 5) == ("gloo", "2", "2", "True"), allreduce[0]
     expect(r"validate: inference", out)
     print(f"\nvalidate in {time.monotonic() - started:.0f}s: no finding; all-reduce gloo over 2 nodes, busbw "

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import pytest
 from shardstack.errors import ShardstackError
+from shardstack.node.allreduce import busbw_floor, sizes
 from shardstack.ops.demo import PROMPT, DemoResult, demo_job
 from shardstack.ops.endpoint import Completion
 from shardstack.ops.jobs.common import JobStatus, NodeJobState, check_job_name, parse_step_lines
@@ -104,3 +105,30 @@ def test_the_demo_outcome_is_what_demo_json_prints() -> None:
                               "completion": {"prompt": PROMPT, "text": " value", "seconds": 0.25}}
     failed = DemoResult("demo", [("lab up (3 nodes)", 1.0)], error="train submit failed").to_dict()
     assert (failed["ok"], failed["error"], failed["completion"]) == (False, "train submit failed", None)
+
+
+def test_the_all_reduce_sweep_doubles_from_1_mib_to_the_largest_size() -> None:
+    assert sizes(16) == [2**20 * k for k in (1, 2, 4, 8, 16)]
+    assert sizes(8192)[-1] == 8 * 2**30 and len(sizes(8192)) == 14  # nccl-tests' 1M → 8G
+    assert sizes(3) == [2**20, 2**21, 3 * 2**20]  # the largest is always measured, even off the doubling
+    assert sizes(0.5) == [2**19]
+
+
+@pytest.mark.parametrize(("text", "floor"), [("auto", None), ("0", 0.0), ("2.5", 2.5)])
+def test_the_bus_bandwidth_floor_setting(text: str, floor: float | None) -> None:
+    assert busbw_floor(text) == floor
+
+
+@pytest.mark.parametrize("text", ["-1", "fast", "nan", ""])
+def test_a_bad_bus_bandwidth_floor_is_refused(text: str) -> None:
+    with pytest.raises(ValueError, match="want `auto` or Gbit/s"):
+        busbw_floor(text)
+
+
+def test_an_all_reduce_below_its_floor_is_a_finding() -> None:
+    slow = {"correct": True, "backend": "gloo", "bytes": 16 * 2**20, "world_size": 2, "busbw_gbps": 0.41,
+            "busbw_min_gbps": 1.0, "below_floor": True}
+    assert validate_findings({**GOOD, "validate_allreduce": slow}) == [
+        "all-reduce: bus bandwidth 0.41 Gbit/s at 16 MiB over 2 rank(s) on gloo is below the floor of 1 Gbit/s "
+        "(validate_allreduce_busbw_min)"]
+    assert validate_findings({**GOOD, "validate_allreduce": {**slow, "below_floor": False}}) == []

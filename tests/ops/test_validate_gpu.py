@@ -106,15 +106,23 @@ def test_the_gpu_and_all_reduce_plays_on_this_machine(tmp_path: Path) -> None:
         "vars": {"ansible_connection": "local", "ansible_python_interpreter": sys.executable},
         "children": {g: {"hosts": {"node1": {}}} for g in groups[:2]} | {g: {"hosts": {}} for g in groups[2:]},
     }}))
+    # A floor no link reaches: the sweep still runs and reports every size; validate fails on the floor alone.
     res = run_playbook("playbooks/validate.yml", inv, tags="validate_gpu,validate_allreduce",
-                       extravars={"validate_venv": sys.prefix, "validate_allreduce_mb": 1, "validate_rdzv_port": 29471},
+                       extravars={"validate_venv": sys.prefix, "validate_allreduce_mb": 2, "validate_rdzv_port": 29471,
+                                  "validate_allreduce_busbw_min": 1e9},
                        artifacts=tmp_path / "art")
     assert res.success, res.hosts
     report = res.data["validate_gpu"]["node1"]
     here = probe(torch_facts=False)
     assert report["accel"]["facts"]["gpus"] == here.gpus and report["train_node"] is True
-    assert res.data["validate_allreduce"]["correct"] is True
-    findings = gpu_findings(res.data["validate_gpu"], res.data["validate_allreduce"])
+    ar = res.data["validate_allreduce"]
+    assert ar["correct"] is True and [row["bytes"] for row in ar["sweep"]] == [2**20, 2**21]
+    assert all(row["correct"] and row["busbw_gbps"] > 0 for row in ar["sweep"])
+    assert ar["world_size"] == max(len(here.gpus), 1) and ar["below_floor"] is True
+    assert [f for f in validate_findings(res.data) if f.startswith("all-reduce")] == [
+        f"all-reduce: bus bandwidth {ar['busbw_gbps']:.2f} Gbit/s at 2 MiB over {ar['world_size']} rank(s) on "
+        f"{ar['backend']} is below the floor of 1e+09 Gbit/s (validate_allreduce_busbw_min)"]
+    findings = gpu_findings(res.data["validate_gpu"], ar)
     if not here.has_nvidia:
         assert report["accel"]["accelerator"] == "cpu" and findings == []
         assert res.data["validate_allreduce"]["backend"] == "gloo"

@@ -17,6 +17,7 @@ from rich.table import Table
 from shardstack.cli.inventory import add_inventory_arg, load_cluster
 from shardstack.cli.output import EXIT_FAILED_HOSTS, EXIT_OK, LiveProgress, console, summary_table
 from shardstack.errors import ShardstackError
+from shardstack.node.allreduce import busbw_floor
 from shardstack.ops.production import unset_production_variables, warning_lines
 from shardstack.ops.runner import RunResult, run_playbook
 from shardstack.ops.validate import node_facts, run_validate
@@ -33,7 +34,12 @@ def register(sub: argparse._SubParsersAction) -> None:
 
     v = sub.add_parser("validate", help="validate a deployed cluster: GPUs, NCCL, all-reduce, storage, inference")
     add_run_args(v, tags=False)
-    v.add_argument("--allreduce-mb", type=float, default=16.0, help="all-reduce tensor size (MiB, default 16)")
+    v.add_argument("--allreduce-mb", type=_positive_mb, default=None,
+                   help="the all-reduce sweep's largest size (MiB, from 1 MiB doubling; default: 8192 on GPUs, "
+                        "16 on CPU)")
+    v.add_argument("--allreduce-busbw-min", type=_busbw_min, default=None, metavar="auto|GBIT",
+                   help="fail when the bus bandwidth at the largest size is below this (Gbit/s; default auto: 100 on "
+                        "NCCL, 1 on gloo; 0: no floor)")
     v.set_defaults(func=_validate)
 
 
@@ -135,12 +141,13 @@ def validate_tables(data: dict[str, Any]) -> list[Table]:
                       str(s.get("peer_checksum_matches", "")))
     tables.append(nodes)
     if ar := data.get("validate_allreduce"):
-        t = Table(title="validate: all-reduce across the train nodes")
-        for col in ("backend", "nodes", "ranks", "size", "time", "algbw", "busbw", "sum correct"):
-            t.add_column(col)
-        t.add_row(ar["backend"], str(ar["nodes"]), str(ar["world_size"]), f"{ar['bytes'] / 2**20:.0f} MiB",
-                  f"{ar['seconds_min'] * 1e3:.1f} ms", f"{ar['algbw_gbps']:.2f} Gbit/s",
-                  f"{ar['busbw_gbps']:.2f} Gbit/s", str(ar["correct"]))
+        t = Table(title=f"validate: all-reduce, {ar['backend']} × {ar['world_size']} rank(s) on {ar['nodes']} node(s)")
+        floor = f" (floor {ar['busbw_min_gbps']:g})" if ar.get("busbw_min_gbps") else ""
+        for col in ("size", "time", "algbw", f"busbw{floor}", "sum correct"):
+            t.add_column(col, justify="right")
+        for row in ar.get("sweep") or [ar]:
+            t.add_row(f"{row['bytes'] / 2**20:g} MiB", f"{row['seconds_min'] * 1e3:.2f} ms",
+                      f"{row['algbw_gbps']:.2f} Gbit/s", f"{row['busbw_gbps']:.2f} Gbit/s", str(row["correct"]))
         tables.append(t)
     if inf := data.get("validate_inference"):
         t = Table(title="validate: inference")
@@ -150,6 +157,24 @@ def validate_tables(data: dict[str, Any]) -> list[Table]:
                   f"{float(inf.get('seconds', -1)):.3f}", repr(str(inf.get("text", ""))[:60]))
         tables.append(t)
     return tables
+
+
+def _positive_mb(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        value = 0.0
+    if not value > 0:
+        raise argparse.ArgumentTypeError(f"{text!r}: want MiB > 0")
+    return value
+
+
+def _busbw_min(text: str) -> str:
+    try:
+        busbw_floor(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+    return text
 
 
 def _gpu_cell(report: dict[str, Any]) -> str:
@@ -171,7 +196,8 @@ def _dd_rate(line: str) -> str:
 
 
 def _validate(args: argparse.Namespace) -> int:
-    result, findings = run_validate(load_cluster(args), allreduce_mb=args.allreduce_mb, limit=args.limit,
+    result, findings = run_validate(load_cluster(args), allreduce_mb=args.allreduce_mb,
+                                    allreduce_busbw_min=args.allreduce_busbw_min, limit=args.limit,
                                     extravars=parse_extra_vars(args.extra_vars),
                                     on_event=None if args.json else LiveProgress())
     if args.json:

@@ -51,6 +51,10 @@ def validate_findings(data: dict[str, Any]) -> list[str]:
         bad.append("all-reduce: no result" + "".join(f"; {h}: {e}" for h, e in sorted(errors.items())))
     elif not ar.get("correct"):
         bad.append("all-reduce: wrong sum")
+    elif ar.get("below_floor"):
+        bad.append(f"all-reduce: bus bandwidth {ar['busbw_gbps']:.2f} Gbit/s at {ar['bytes'] / 2**20:g} MiB over "
+                   f"{ar['world_size']} rank(s) on {ar['backend']} is below the floor of {ar['busbw_min_gbps']:g} "
+                   "Gbit/s (validate_allreduce_busbw_min)")
     for host, st in (data.get("validate_storage") or {}).items():
         if not st.get("peer_checksum_matches"):
             bad.append(f"storage: {host} read different bytes than {st.get('read_of')} wrote")
@@ -66,9 +70,12 @@ def validate_findings(data: dict[str, Any]) -> list[str]:
     return bad
 
 
-def run_validate(cluster: Cluster, *, allreduce_mb: float = 16.0, limit: str | None = None,
-                 extravars: dict[str, Any] | None = None,
+def run_validate(cluster: Cluster, *, allreduce_mb: float | None = None, allreduce_busbw_min: str | None = None,
+                 limit: str | None = None, extravars: dict[str, Any] | None = None,
                  on_event: Callable[[RunnerEvent], None] | None = None) -> tuple[RunResult, list[str]]:
-    result = run_playbook("playbooks/validate.yml", cluster.path, limit=limit,
-                          extravars={**(extravars or {}), "validate_allreduce_mb": allreduce_mb}, on_event=on_event)
+    """allreduce_mb: the sweep's largest size (None: the node's default for its backend); allreduce_busbw_min:
+    `auto` or Gbit/s (None: the playbook's default, auto)."""
+    ours = {"validate_allreduce_mb": allreduce_mb, "validate_allreduce_busbw_min": allreduce_busbw_min}
+    result = run_playbook("playbooks/validate.yml", cluster.path, limit=limit, on_event=on_event,
+                          extravars={**(extravars or {}), **{k: v for k, v in ours.items() if v is not None}})
     return result, validate_findings(result.data)
