@@ -4,11 +4,17 @@ shared storage (NFS, root_squash) a node can write checkpoints only if its accou
 
 from __future__ import annotations
 
+import grp
+import json
+import pwd
+import sys
+from collections import Counter
 from pathlib import Path
 from typing import Any
 
 import pytest
 import yaml
+from shardstack.ops.runner import run_playbook
 
 ROLES = Path(__file__).resolve().parents[2] / "roles"
 
@@ -86,3 +92,31 @@ def test_every_task_that_creates_the_account_pins_its_ids_after_the_check() -> N
                 assert checked, f"{where} runs before shardstack_common's service_account.yml"
     assert {c.split(":")[0] for c in creators} == {"os_baseline/tasks/configure.yml",
                                                   "training_runtime/tasks/install.yml"}, creators
+
+
+def test_the_ids_are_checked_once_per_node_and_account(tmp_path: Path) -> None:
+    """os_baseline and training_runtime both include the check; the second include of the same account reads
+    nothing again (a deploy's re-run pays for every task it runs on every node)."""
+    uid = next(n for n in range(64990, 65500) if not _taken(n))
+    inv = tmp_path / "hosts.yml"
+    inv.write_text(yaml.safe_dump({"all": {"hosts": {"localhost": {}}, "vars": {
+        "ansible_connection": "local", "ansible_python_interpreter": sys.executable}}}))
+    res = run_playbook("tests/roles/playbooks/service_account.yml", inv, artifacts=tmp_path / "art",
+                       extravars={"test_accounts": ["ssck-a", "ssck-a", "ssck-b"], "shardstack_uid": uid,
+                                  "shardstack_gid": uid})
+    assert res.success, {h: (r.failed_task, r.message) for h, r in res.hosts.items()}
+    events = [json.loads(p.read_text()) for p in Path(res.artifact_dir).glob("job_events/*.json")]
+    ran = Counter(e["event_data"]["task"] for e in events if e.get("event") == "runner_on_ok")
+    assert ran["Service account - accounts on this node"] == 2, ran  # ssck-a once, ssck-b once
+    assert ran["Service account - the pinned ids are free or already its own"] == 2, ran
+    assert res.changed == 0
+
+
+def _taken(number: int) -> bool:
+    for lookup in (pwd.getpwuid, grp.getgrgid):
+        try:
+            lookup(number)
+        except KeyError:
+            continue
+        return True
+    return False
