@@ -32,7 +32,8 @@ SAVE = textwrap.dedent("""
     class Weights:
         def state_dict(self): return {"model": model.state_dict()}
         def load_state_dict(self, sd): raise AssertionError
-    cfg = CheckpointConfig(dir=sys.argv[1], interval=1, keep=1, resume="never", signing_key_file=sys.argv[3])
+    cfg = CheckpointConfig(dir=sys.argv[1], interval=1, keep=1, resume="never", async_save=False,
+                           signing_key_file=sys.argv[3])
     Checkpointer(cfg, config_hash="bench", job="bench", job_config={"model": config.to_dict()}).save(1, Weights())
 """)
 

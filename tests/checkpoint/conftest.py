@@ -78,7 +78,7 @@ def make_checkpointer(root: Path, key_file: Path | None, **overrides) -> Checkpo
     """A Checkpointer of job `job` (default test-job) with `config_hash` (default cafe) on `root`, signing with
     `key_file` (None: require_signature false); other overrides are CheckpointConfig fields."""
     cfg = CheckpointConfig(dir=str(root), interval=2, keep=3, signing_key_file=str(key_file or "/nonexistent"),
-                           require_signature=key_file is not None)
+                           require_signature=key_file is not None, async_save=False)
     job = overrides.pop("job", "test-job")
     config_hash = overrides.pop("config_hash", "cafe")
     return Checkpointer(dataclasses.replace(cfg, **overrides), config_hash=config_hash, job=job, stage=3,

@@ -113,7 +113,8 @@ SAVE_SCRIPT = textwrap.dedent("""
     class Weights:
         def state_dict(self): return {"model": model.state_dict()}
         def load_state_dict(self, sd): raise AssertionError("not loaded here")
-    cfg = CheckpointConfig(dir=sys.argv[1], interval=1, keep=1, resume="never", signing_key_file=sys.argv[2])
+    cfg = CheckpointConfig(dir=sys.argv[1], interval=1, keep=1, resume="never", async_save=False,
+                           signing_key_file=sys.argv[2])
     Checkpointer(cfg, config_hash="peak", job="peak", job_config={"model": config.to_dict()}).save(1, Weights())
 """)
 

@@ -47,9 +47,19 @@ def test_a_job_config_without_engine_settings_is_auto_and_valid() -> None:
 def test_checkpoints_save_in_the_background_on_cuda_unless_told(tmp_path, setting, device: str,
                                                                  background: bool) -> None:
     from shardstack.train.checkpoint.checkpointer import Checkpointer
-    from shardstack.train.config import CheckpointConfig
 
-    ckpt = Checkpointer(CheckpointConfig(dir=str(tmp_path), async_save=setting, require_signature=False),
-                        config_hash="0" * 16, job="j", device_type=device)
+    cfg = config_from_dict({"name": "j", "model": {"arch": "gpt", "size": "tiny"},
+                            "checkpoint": {"dir": str(tmp_path), "async_save": setting, "require_signature": False}})
+    settled = cfg.for_device(device)  # the trainer's one place for every device-dependent `auto`
+    assert settled.engine == cfg.engine.for_device(device) and settled.checkpoint.async_save is background
+    ckpt = Checkpointer(settled.checkpoint, config_hash="0" * 16, job="j")
     assert ckpt.async_save is background and (ckpt._executor is not None) is background
     ckpt.wait()
+
+
+def test_a_checkpointer_wants_async_save_settled(tmp_path) -> None:
+    from shardstack.train.checkpoint.checkpointer import Checkpointer
+    from shardstack.train.config import CheckpointConfig
+
+    with pytest.raises(ValueError, match="not settled"):
+        Checkpointer(CheckpointConfig(dir=str(tmp_path), require_signature=False), config_hash="0" * 16, job="j")

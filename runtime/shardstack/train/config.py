@@ -114,6 +114,13 @@ class CheckpointConfig:
     # or one that predates the job name in the manifest (adopting it); refused otherwise. CLI: --allow-config-change.
     allow_config_change: bool = False
 
+    def for_device(self, device_type: str) -> CheckpointConfig:
+        """async_save settled: in the background on CUDA (the staging copy to host memory is what lets training go
+        on), inline on CPU (the state is already in host memory: a staging copy would double it for no overlap)."""
+        if self.async_save != "auto":
+            return self
+        return dataclasses.replace(self, async_save=device_type == "cuda")
+
 
 @dataclass
 class MetricsConfig:
@@ -140,6 +147,12 @@ class JobConfig:
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self) | {"model": self.model.to_dict()}  # the model section as the YAML has it
+
+    def for_device(self, device_type: str) -> JobConfig:
+        """This config with every `auto` that depends on the device settled for `device_type` (cuda or cpu): the one
+        place the trainer, its log line and the checkpointer read them from."""
+        return dataclasses.replace(self, engine=self.engine.for_device(device_type),
+                                   checkpoint=self.checkpoint.for_device(device_type))
 
     def config_hash(self) -> str:
         """Hash of what defines the run's math (model, data, optimizer, schedule, global batch, seed).

@@ -6,7 +6,6 @@ the checkpointer. After the first step it logs the estimator's per-rank bytes ne
 
 from __future__ import annotations
 
-import dataclasses
 import json
 import logging
 import random
@@ -164,14 +163,14 @@ def _open_checkpointer(cfg: JobConfig, dist_info: DistInfo):
     from shardstack.train.checkpoint.checkpointer import Checkpointer
 
     return Checkpointer(cfg.checkpoint, config_hash=cfg.config_hash(), job=cfg.name, dist=dist_info,
-                        stage=cfg.engine.stage, job_config=cfg.to_dict(), device_type=dist_info.device.type)
+                        stage=cfg.engine.stage, job_config=cfg.to_dict())
 
 
 def train(cfg: JobConfig, max_steps: int | None = None, *, out=None) -> TrainResult:
     """Train until schedule.total_steps (or `max_steps` more steps). Works alone or under torchrun."""
     out = out or sys.stdout
     info = init_distributed(cfg.engine.device)
-    cfg = dataclasses.replace(cfg, engine=cfg.engine.for_device(info.device.type))  # what the log and autobatch say
+    cfg = cfg.for_device(info.device.type)  # what the log, autobatch and the checkpointer say
     if info.device.type == "cpu":
         # FSDP frees and re-allocates every block's gathered weights each step; glibc's adaptive mmap threshold would
         # keep those buffers in a heap that never shrinks, and the RSS would creep past what the shards need.

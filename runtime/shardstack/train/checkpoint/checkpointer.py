@@ -80,12 +80,11 @@ class Checkpointer:
         job_config: dict[str, Any] | None = None,
         on_space_check: Callable[[SpaceCheck], None] | None = None,
         on_commit: Callable[[int], None] | None = None,
-        device_type: str = "cpu",
     ) -> None:
         self.cfg = cfg
-        # auto: in the background on CUDA (the staging copy to host memory is what lets training go on), inline on CPU
-        # (the state is already in host memory: a staging copy would double it for no overlap worth having).
-        self.async_save = cfg.async_save if isinstance(cfg.async_save, bool) else device_type == "cuda"
+        if not isinstance(cfg.async_save, bool):  # a programming error: JobConfig.for_device settles it
+            raise ValueError(f"checkpoint.async_save {cfg.async_save!r} is not settled for a device")
+        self.async_save = cfg.async_save
         self.config_hash = config_hash
         self.job = job
         self.run_id: str | None = None  # from the checkpoint resumed, else drawn at the first save (rank 0)
