@@ -200,6 +200,19 @@ def _status(url: str) -> int:
         return getattr(exc, "code", 0) or 0
 
 
+def _preflight_hardware(ap: argparse.ArgumentParser, path: Path) -> dict | None:
+    """The hardware fact from the first line a `--checks preflight` run printed (make gpu-check keeps it in a file);
+    a preflight that printed nothing or something else is an argument error, not a traceback."""
+    try:
+        first = path.read_text().splitlines()[0]
+        row = json.loads(first)
+        assert isinstance(row, dict) and row.get("check") == "preflight"
+    except (OSError, IndexError, ValueError, AssertionError) as exc:
+        reason = {IndexError: "empty", AssertionError: "its first line is not the preflight's row"}.get(type(exc), exc)
+        ap.error(f"--preflight-row {path}: {reason} (run `bench/gpu_selftest.py --checks preflight` into it first)")
+    return row.get("hardware")
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--checks", default=",".join(CHECKS), help=f"comma-separated subset of {','.join(CHECKS)}")
@@ -215,7 +228,7 @@ def main() -> int:
     work = Path(tempfile.mkdtemp(prefix="shardstack-selftest-"))
     st = SelfTest(wanted, args.out, work)
     if args.preflight_row:
-        st.hardware = json.loads(args.preflight_row.read_text().splitlines()[0]).get("hardware")
+        st.hardware = _preflight_hardware(ap, args.preflight_row)
     try:
         st.run("preflight", st.preflight)
         st.run("facts", st.probe)

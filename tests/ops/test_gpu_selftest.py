@@ -9,6 +9,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
 import torch
 from shardstack.accel import probe
 
@@ -31,6 +32,28 @@ def test_the_cpu_part_of_the_gpu_selftest(tmp_path: Path) -> None:
         assert facts["accelerator"] == "cpu" and "no NVIDIA hardware" in facts["reason"]
         assert checks["gpu"] == {"check": "gpu", "ok": None, "skipped": "no NVIDIA GPU: GPU checks not run"}
         assert list(checks) == ["preflight", "facts", "gpu"]
+    # As make gpu-check runs it: the preflight's row handed to a second run (from the wheelhouse venv) in a file.
+    row = tmp_path / "row.json"
+    row.write_text(proc.stdout)
+    facts_only = subprocess.run([sys.executable, str(REPO / "bench" / "gpu_selftest.py"), "--checks", "facts",
+                                 "--preflight-row", str(row)], capture_output=True, text=True, timeout=600,
+                                cwd=tmp_path)
+    assert facts_only.returncode == 0, facts_only.stderr[-2000:]
+    assert json.loads(facts_only.stdout.splitlines()[0])["preflight_agrees"] is True
+
+
+@pytest.mark.parametrize(("content", "reason"), [
+    (None, "No such file"), ("", "empty"), ("not json\n", "Expecting value"),
+    ('{"check": "facts"}\n', "its first line is not the preflight's row")])
+def test_a_preflight_row_that_is_not_one_is_an_argument_error(tmp_path: Path, content: str | None,
+                                                               reason: str) -> None:
+    row = tmp_path / "row.json"
+    if content is not None:
+        row.write_text(content)
+    proc = subprocess.run([sys.executable, str(REPO / "bench" / "gpu_selftest.py"), "--checks", "facts",
+                           "--preflight-row", str(row)], capture_output=True, text=True, timeout=120, cwd=tmp_path)
+    assert proc.returncode == 2 and "Traceback" not in proc.stderr, proc.stderr
+    assert f"--preflight-row {row}: " in proc.stderr and reason in proc.stderr, proc.stderr
 
 
 def test_gpu_step_runs_its_variants_on_cpu_and_refuses_to_measure_there(tmp_path: Path) -> None:
