@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import hashlib
 import json
 import subprocess
 import sys
@@ -11,7 +12,8 @@ from pathlib import Path
 
 import pytest
 import yaml
-from shardstack.lab import lab
+from shardstack.errors import ShardstackError
+from shardstack.lab import image, lab
 from shardstack.lab.inventory import group_layout
 from shardstack.lab.node import is_zombie
 
@@ -109,6 +111,7 @@ def test_two_labs_coexist_without_colliding(tmp_path: Path) -> None:
         (["lab", "down", "--name", "nosuch"], "does not exist"),
         (["lab", "status", "--name", "nosuch"], "does not exist"),
         (["lab", "exec", "--name", "nosuch", "1", "--", "true"], "does not exist"),
+        (["lab", "up", "--name", "zz", "--release", "sid"], "argument --release: invalid choice: 'sid'"),
     ],
 )
 def test_bad_input_gets_a_clear_error(args: list[str], message: str) -> None:
@@ -135,6 +138,37 @@ def test_down_is_quick_and_clean(tmp_path: Path) -> None:
     assert lab.leftovers(name) == []
     # Gone, or a zombie waiting for the host's init to reap it: either way no longer running.
     assert not any(Path(f"/proc/{p}").exists() and not is_zombie(p) for p in pids)
+
+
+def test_images_are_per_release_and_bookworms_key_is_unchanged() -> None:
+    bookworm, trixie = image.image_key("bookworm"), image.image_key("trixie")
+    assert bookworm.startswith("debian-bookworm-") and trixie.startswith("debian-trixie-")
+    # The recipe text of bookworm is what it was before releases existed: its cached image stays valid.
+    recipe = "\n".join([image.RECIPE_VERSION, "bookworm", image.MIRROR, *image.PACKAGES, *image.MASKED_UNITS,
+                        f"deb {image.MIRROR} bookworm main\n"])
+    assert bookworm == f"debian-bookworm-{hashlib.sha256(recipe.encode()).hexdigest()[:12]}"
+    assert image.sources("trixie")[0] == "etc/apt/sources.list.d/debian.sources"  # deb822, as trixie installs
+    with pytest.raises(ShardstackError, match="unknown lab release 'sid'"):
+        image.image_key("sid")
+
+
+def test_trixie_node_runs_systemd_257_on_the_unified_hierarchy(tmp_path: Path) -> None:
+    """Debian 13's systemd under the host's nspawn 252 on a hybrid host: booted with cgroup2 at /sys/fs/cgroup."""
+    name = unique_name()
+    cli("lab", "up", "--name", name, "--nodes", "1", "--release", "trixie",
+        "--write-inventory", str(tmp_path / "h.yml"))
+    try:
+        info = json.loads(cli("lab", "status", "--name", name, "--json").stdout)
+        assert info["release"] == "trixie" and info["nodes"][0]["state"] == "running"
+        out = node_exec(name, "1", "cut -d. -f1 /etc/debian_version; systemctl --version | head -1 | cut -d' ' -f2; "
+                                   "stat -fc %T /sys/fs/cgroup; python3 -c 'import sys; print(sys.version_info[:2])'; "
+                                   "grep -h Suites /etc/apt/sources.list.d/debian.sources; "
+                                   "systemctl --failed --no-legend")
+        assert out.returncode == 0, out.stderr
+        assert out.stdout.split("\n") == ["13", "257", "cgroup2fs", "(3, 13)", "Suites: trixie", ""]
+    finally:
+        cli("lab", "down", "--name", name, check=False)
+    assert lab.leftovers(name) == []
 
 
 def test_inventory_layout_spreads_cluster_roles() -> None:

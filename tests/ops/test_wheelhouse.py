@@ -83,6 +83,26 @@ def test_resolution_targets_the_nodes_not_the_controller(tmp_path: Path, monkeyp
     assert "--extra-index-url" not in wheelhouse.resolve_argv(tmp_path, tmp_path, tmp_path, BY_NAME["cpu"])
 
 
+def test_each_target_python_has_its_own_wheels_key_and_cache_directory(tmp_path: Path) -> None:
+    """Debian 13 nodes run CPython 3.13: their wheelhouse resolves cp313 wheels and lives beside the 3.11 one, whose
+    names (and so the caches built before) stay as they were."""
+    cpu, py313 = BY_NAME["cpu"], wheelhouse.target_python("3.13")
+    argv = wheelhouse.resolve_argv(tmp_path, tmp_path, tmp_path, cpu, py313)
+    assert {("--python-version", "3.13"), ("--abi", "cp313")} <= set(itertools.pairwise(argv))
+    assert wheelhouse.RUNTIME.directory(cpu) == wheelhouse.RUNTIME.directory(cpu, (3, 11)) == "cpu"
+    assert wheelhouse.RUNTIME.directory(cpu, py313) == "cpu-cp313"
+    assert wheelhouse.VLLM.directory(cpu, py313) == "vllm-cpu-cp313"
+    assert wheelhouse.deps_key(project_dir(), cpu) == wheelhouse.deps_key(project_dir(), cpu, python=(3, 11))
+    assert wheelhouse.deps_key(project_dir(), cpu, python=py313) != wheelhouse.deps_key(project_dir(), cpu)
+    for bad in ("3.12", "2.7", "three"):
+        with pytest.raises(ShardstackError, match="no wheelhouse for Python"):
+            wheelhouse.target_python(bad)
+    (tmp_path / "numpy-2.4.6-cp311-cp311-manylinux_2_28_x86_64.whl").touch()
+    wheelhouse._check_tags(tmp_path, (3, 11))
+    with pytest.raises(ShardstackError, match=r"CPython 3\.13"):
+        wheelhouse._check_tags(tmp_path, py313)
+
+
 # Runs pip exactly as resolve() does and reports what the process read in all (files and network, /proc/self/io).
 _MEASURED_PIP = """
 import json, sys

@@ -595,3 +595,24 @@ def test_one_wheelhouse_per_accelerator_class_among_the_play_hosts(role_eval: An
                   ansible_play_hosts=["cpu1", "later"], inventory_hostname="cpu1",
                   nvidia_driver_compat={"accelerator": "cpu"})
     assert r["__training_runtime_classes_to_build"] == []
+
+
+def test_one_wheelhouse_per_python_among_the_play_hosts(role_eval: Any, debian_container: dict) -> None:
+    """A Debian 13 node (CPython 3.13) gets the cp313 wheelhouse of its class, a Debian 12 node (3.11) the class's
+    own; both are built in the same run."""
+    def node(minor: int) -> dict:
+        return {"nvidia_driver_compat": {"accelerator": "cpu"},
+                "ansible_facts": {"python": {"version": {"major": 3, "minor": minor}}}}
+
+    hostvars = {"bookworm1": node(11), "trixie1": node(13), "trixie2": node(13), "localhost": {}}
+    plays = ["bookworm1", "trixie1", "trixie2"]
+    trixie = {**debian_container, "python": {"version": {"major": 3, "minor": 13}}}
+    r = role_eval("training_runtime", trixie, hostvars=hostvars, ansible_play_batch=plays,
+                  inventory_hostname="trixie1", nvidia_driver_compat={"accelerator": "cpu"})
+    assert r["__training_runtime_classes_to_build"] == ["cpu", "cpu-cp313"]
+    hostvars["localhost"] = {"__training_runtime_wheelhouses": {"cpu": "/wh/cpu/abc", "cpu-cp313": "/wh/cpu-cp313/abc"}}
+    r = role_eval("training_runtime", trixie, hostvars=hostvars, ansible_play_batch=plays,
+                  inventory_hostname="trixie1", nvidia_driver_compat={"accelerator": "cpu"})
+    assert r["__training_runtime_classes_to_build"] == []
+    assert r["__training_runtime_wheelhouse_path"] == "/wh/cpu-cp313/abc"
+    assert r["__training_runtime_python_version"] == "3.13"

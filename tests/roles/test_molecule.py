@@ -31,6 +31,20 @@ def test_base_config_holds_what_is_common() -> None:
     assert "verify" in base["scenario"]["test_sequence"] and "idempotence" in base["scenario"]["test_sequence"]
 
 
+def test_the_lab_release_is_chosen_by_the_environment_and_reaches_lab_up() -> None:
+    """SHARDSTACK_LAB_RELEASE picks every scenario's lab release (bookworm when unset); create.yml hands it to
+    `shardstack lab up --release`."""
+    from molecule.interpolation import Interpolator, TemplateWithDefaults
+
+    raw = (REPO / ".config" / "molecule" / "config.yml").read_text()
+    for env, want in (({}, "bookworm"), ({"SHARDSTACK_LAB_RELEASE": "trixie"}, "trixie")):
+        text = Interpolator(TemplateWithDefaults, env).interpolate(raw)
+        assert yaml.safe_load(text)["driver"]["lab_release"] == want
+    create = yaml.safe_load((REPO / "molecule" / "resources" / "create.yml").read_text())
+    argv = create[0]["tasks"][0]["ansible.builtin.command"]["argv"]
+    assert argv[argv.index("--release") + 1] == "{{ molecule_yml.driver.lab_release | default('bookworm') }}"
+
+
 @pytest.mark.parametrize("name", SCENARIOS)
 def test_scenario_holds_only_its_platforms_and_variables(name: str) -> None:
     scenario = _scenario(name)

@@ -6,6 +6,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
+import pytest
 import yaml
 
 SLURMD_C = ("NodeName=gpu01 CPUs=64 Boards=1 SocketsPerBoard=2 CoresPerSocket=16 ThreadsPerCore=2 "
@@ -24,8 +25,11 @@ def _node(name: str, addr: str, gpus: list[dict[str, str]], memory: int = 500000
 def _cluster(role_eval: Any, facts: dict, *, containers: bool = False, **kw: Any) -> Any:
     """ops01 is the controller, gpu01 (2 GPUs) and cpu01 (none) the compute nodes, as configure.yml left them."""
     virt = "container" if containers else "kvm"
+    release = facts["distribution_major_version"]
     hostvars = {
-        "ops01": {"ansible_host": "192.0.2.5", "ansible_facts": {"hostname": "ops01", "virtualization_type": virt}},
+        "ops01": {"ansible_host": "192.0.2.5", "ansible_facts": {"hostname": "ops01", "virtualization_type": virt,
+                                                                 "distribution_major_version": release},
+                  **kw.pop("controller_vars", {})},
         "gpu01": {"ansible_host": "192.0.2.11", "ansible_facts": {"hostname": "gpu01", "virtualization_type": virt},
                   "__slurm_node": _node("gpu01", "192.0.2.11", [{"file": "/dev/nvidia0", "cores": "0-15"},
                                                                 {"file": "/dev/nvidia1", "cores": ""}])},
@@ -66,6 +70,9 @@ def test_cgroup_plugins_on_real_nodes_linuxproc_in_containers(role_eval: Any, de
     assert {"ProctrackType=proctrack/linuxproc", "TaskPlugin=task/affinity"} <= set(lines)
     assert not any("cgroup" in line for line in lines)
     assert _lines(lab.render("cgroup.conf.j2")) == ["CgroupPlugin=autodetect"]
+    # Slurm 24.11 (Debian 13) loads the cgroup plugin unless it is disabled, and cgroup/v2 refuses a lab node.
+    trixie = _cluster(role_eval, {**debian_container, "distribution_major_version": "13"}, containers=True)
+    assert _lines(trixie.render("cgroup.conf.j2")) == ["CgroupPlugin=disabled"]
     # Forced on, whatever the nodes are.
     assert _cluster(role_eval, debian_container, containers=True, slurm_cgroup=True)["__slurm_cgroup"] is True
 
@@ -114,6 +121,23 @@ def test_scheduling_conf_requeue_and_priorities(role_eval: Any, debian_container
     # A preempted training job gets its SIGUSR1 at once and GraceTime (slurm.conf) to save a checkpoint.
     assert "SchedulerParameters=preempt_send_user_signal" in lines
     assert lines[-1] == "MaxJobCount=20000"
+
+
+@pytest.mark.parametrize(("debian", "sinfo", "spelling"), [
+    ("12", None, "SchedulerParameters=preempt_send_user_signal"),  # before the install (check mode): 22.05
+    ("13", None, "PreemptParameters=send_user_signal"),  # Debian 13: 24.11
+    ("12", "slurm-wlm 22.05.8", "SchedulerParameters=preempt_send_user_signal"),
+    ("13", "slurm-wlm 24.11.5", "PreemptParameters=send_user_signal"),
+    ("12", "slurm 23.02.7", "PreemptParameters=send_user_signal"),  # the installed release decides (a backport)
+])
+def test_preemption_signal_in_the_spelling_of_the_controllers_slurm(
+        role_eval: Any, debian_container: dict, debian: str, sinfo: str | None, spelling: str) -> None:
+    facts = {**debian_container, "distribution_major_version": debian}
+    installed = {"__slurm_installed_version": {"rc": 0, "stdout": sinfo}} if sinfo else {}
+    lines = _lines(_cluster(role_eval, facts, controller_vars=installed).render("scheduling.conf.j2"))
+    assert spelling in lines
+    assert not {"SchedulerParameters=preempt_send_user_signal", "PreemptParameters=send_user_signal"} - {spelling} \
+        & set(lines)
 
 
 def test_slurmdbd_conf(role_eval: Any, debian_container: dict) -> None:

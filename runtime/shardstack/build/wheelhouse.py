@@ -1,16 +1,18 @@
 """Build the wheelhouses the nodes install shardstack from, offline and hash-locked (docs/operations.md).
 
-One wheelhouse per venv and accelerator class (shardstack.accel: cpu, cu126, cu129, cu130), because torch's build
-and its nvidia-* libraries differ per class. Two venvs: the runtime's (shardstack[train,serve]) and the vLLM
+One wheelhouse per venv, accelerator class (shardstack.accel: cpu, cu126, cu129, cu130) and target Python, because
+torch's build and its nvidia-* libraries differ per class, and compiled wheels per CPython (Debian 12 nodes run 3.11,
+Debian 13 nodes 3.13). Two venvs: the runtime's (shardstack[train,serve]) and the vLLM
 engine's (`Venv`: vLLM pins torch and a large tree of its own). The controller resolves and downloads each from the
-package index for the nodes' platform (CPython 3.11, x86_64, glibc ≥ 2.34) whatever its own is, and writes a lock
-with the sha256 of every file; nodes install with `pip install --no-index --require-hashes -r requirements.lock`.
+package index for the nodes' platform (CPython 3.11 or 3.13, x86_64, glibc ≥ 2.34) whatever its own is, and writes a
+lock with the sha256 of every file; nodes install with `pip install --no-index --require-hashes -r requirements.lock`.
 Cache, per class:
 
     <cache>/wheelhouse/<class>/deps-<hash of pyproject.toml + class>/  the dependencies and deps.lock
     <cache>/wheelhouse/<class>/<hash of pyproject + runtime/>/          hard links to those + the shardstack wheel,
         requirements.lock (everything), shardstack.lock (the own wheel), manifest.json and wheelhouse.tar
     <cache>/wheelhouse/vllm-<class>/…                                   the same for the vLLM venv
+    <cache>/wheelhouse/<class>-cp313/…, vllm-<class>-cp313/…             the same for CPython 3.13 nodes
 
 Dependencies only change with pyproject.toml (or the class table), so a code change costs one small
 `pip wheel --no-deps`. The shardstack wheel is rebuilt only when the source hash changes, so the bytes (and the
@@ -60,8 +62,10 @@ class Venv:
         """What the dependency set depends on, stable across processes (a frozenset's repr is not: hash seeds)."""
         return f"{self.name}:{sorted(self.extras.items())}:{sorted(self.exclude)}"
 
-    def directory(self, accel: AcceleratorClass) -> str:
-        return accel.name if self.name == "runtime" else f"{self.name}-{accel.name}"
+    def directory(self, accel: AcceleratorClass, python: tuple[int, int] | None = None) -> str:
+        base = accel.name if self.name == "runtime" else f"{self.name}-{accel.name}"
+        # The default Python's directories keep their names, so caches built before other Pythons stay valid.
+        return base if python in (None, DEFAULT_PYTHON) else f"{base}-{abi_tag(python)}"
 
 
 RUNTIME = Venv("runtime", {"*": ("train", "serve")})
@@ -74,16 +78,33 @@ VENVS = {v.name: v for v in (RUNTIME, VLLM)}
 ARCHIVE = "wheelhouse.tar"
 LOCK = "requirements.lock"
 OWN_LOCK = "shardstack.lock"
-# What the nodes run: CPython 3.11 on x86_64 with glibc 2.34 or newer (RHEL 9's; Debian 12 has 2.36), so wheels up
-# to manylinux_2_34 (torch's floor is 2_28; vLLM's llguidance needs 2_31). pip does not widen a --platform to the
-# older tags that glibc also runs, so they are listed.
-TARGET_PYTHON = (3, 11)
+# What the nodes run: CPython 3.11 (Debian 12, RHEL 9) or 3.13 (Debian 13) on x86_64 with glibc 2.34 or newer
+# (RHEL 9's; Debian 12 has 2.36, Debian 13 2.41), so wheels up to manylinux_2_34 (torch's floor is 2_28; vLLM's
+# llguidance needs 2_31). pip does not widen a --platform to the older tags that glibc also runs, so they are listed.
+DEFAULT_PYTHON = (3, 11)
+TARGET_PYTHONS = ((3, 11), (3, 13))
 TARGET_PLATFORMS = [f"manylinux_2_{m}_x86_64" for m in range(34, 4, -1)] + [
     "manylinux2014_x86_64", "manylinux2010_x86_64", "manylinux1_x86_64"]
 # The PyTorch index (or a mirror of it) the torch builds come from; "none": pip's own configuration has them.
 TORCH_INDEX_ENV = "SHARDSTACK_TORCH_INDEX"
 _SKIP_DIRS = {"__pycache__", ".pytest_cache"}
 log = logging.getLogger("shardstack.wheelhouse")
+
+
+def abi_tag(python: tuple[int, int]) -> str:
+    return f"cp{python[0]}{python[1]}"
+
+
+def target_python(version: str) -> tuple[int, int]:
+    """"3.13" -> (3, 13), refusing a Python the nodes do not run (its wheels would be untested)."""
+    try:
+        major, minor = (int(x) for x in version.split(".")[:2])
+    except ValueError:
+        major = minor = -1
+    if (major, minor) not in TARGET_PYTHONS:
+        raise ShardstackError(f"no wheelhouse for Python {version!r}",
+                              hint="the nodes' Python: one of " + ", ".join(f"{p[0]}.{p[1]}" for p in TARGET_PYTHONS))
+    return major, minor
 
 
 def cache_root() -> Path:
@@ -114,9 +135,11 @@ def source_files(project: Path) -> list[Path]:
     return files
 
 
-def deps_key(project: Path, accel: AcceleratorClass | None = None, venv: Venv = RUNTIME) -> str:
+def deps_key(project: Path, accel: AcceleratorClass | None = None, venv: Venv = RUNTIME,
+             python: tuple[int, int] = DEFAULT_PYTHON) -> str:
     return _digest([project / "pyproject.toml"], project, (repr(accel) if accel else "")
-                   + ("" if venv is RUNTIME else venv.fingerprint()))
+                   + ("" if venv is RUNTIME else venv.fingerprint())
+                   + ("" if python == DEFAULT_PYTHON else abi_tag(python)))
 
 
 def source_key(project: Path) -> str:
@@ -179,18 +202,19 @@ def _index_args(accel: AcceleratorClass) -> list[str]:
     return ["--extra-index-url", url]
 
 
-def _target_args() -> list[str]:
+def _target_args(python: tuple[int, int]) -> list[str]:
     platforms = [arg for p in TARGET_PLATFORMS for arg in ("--platform", p)]
     return ["--only-binary=:all:", *platforms, "--implementation", "cp",
-            "--python-version", "{}.{}".format(*TARGET_PYTHON), "--abi", "cp{}{}".format(*TARGET_PYTHON)]
+            "--python-version", "{}.{}".format(*python), "--abi", abi_tag(python)]
 
 
-def resolve_argv(reqs_file: Path, report: Path, target: Path, accel: AcceleratorClass) -> list[str]:
+def resolve_argv(reqs_file: Path, report: Path, target: Path, accel: AcceleratorClass,
+                 python: tuple[int, int] = DEFAULT_PYTHON) -> list[str]:
     """pip's arguments for resolving a class for the nodes' platform without installing or downloading wheels:
     --dry-run with a report, and fast-deps so wheel metadata comes by HTTP range requests where the index does not
     serve it apart (PEP 658) — torch's 0.5 GB wheel is never fetched to learn its dependencies."""
     return ["install", "--dry-run", "--ignore-installed", "--quiet", "--report", str(report), "--target", str(target),
-            "--use-feature=fast-deps", *_target_args(), *_index_args(accel), "-r", str(reqs_file)]
+            "--use-feature=fast-deps", *_target_args(python), *_index_args(accel), "-r", str(reqs_file)]
 
 
 @dataclass(frozen=True)
@@ -216,12 +240,14 @@ def _pip(args: list[str], what: str) -> subprocess.CompletedProcess[str]:
     return proc
 
 
-def resolve(project: Path, accel: AcceleratorClass, venv: Venv = RUNTIME) -> list[Pin]:
+def resolve(project: Path, accel: AcceleratorClass, venv: Venv = RUNTIME,
+            python: tuple[int, int] = DEFAULT_PYTHON) -> list[Pin]:
     """The exact files a class's wheelhouse holds, as pip resolves them for the nodes (no wheel is downloaded)."""
     with tempfile.TemporaryDirectory() as tmp:
         reqs, report = Path(tmp) / "requirements.in", Path(tmp) / "report.json"
         reqs.write_text("\n".join(requirements(project, accel, venv)) + "\n")
-        _pip(resolve_argv(reqs, report, Path(tmp) / "target", accel), f"resolving the {accel.name} wheelhouse")
+        _pip(resolve_argv(reqs, report, Path(tmp) / "target", accel, python),
+             f"resolving the {accel.name} wheelhouse for CPython {python[0]}.{python[1]}")
         data = json.loads(report.read_text())
     pins = []
     for item in data["install"]:
@@ -248,8 +274,9 @@ def lock_line(name: str, version: str, sha256: str) -> str:
 @dataclass
 class Wheelhouse:
     path: Path
-    key: str  # "<class>-<source key>": what a node's install stamp holds
+    key: str  # "<class>[-cp313]-<source key>": what a node's install stamp holds
     accelerator: str
+    python: str  # the nodes' CPython, "3.11" or "3.13"
     torch: str
     shardstack_wheel: str  # file name inside path
     shardstack_sha256: str
@@ -275,8 +302,8 @@ def _copy_source(project: Path, dest: Path) -> None:
         shutil.copy2(f, target)
 
 
-def _check_tags(wheel_dir: Path) -> None:
-    want = f"cp{TARGET_PYTHON[0]}{TARGET_PYTHON[1]}"
+def _check_tags(wheel_dir: Path, python: tuple[int, int] = DEFAULT_PYTHON) -> None:
+    want = abi_tag(python)
     bad = []
     for whl in wheel_dir.glob("*.whl"):
         py, abi, plat = whl.stem.split("-")[-3:]
@@ -285,7 +312,7 @@ def _check_tags(wheel_dir: Path) -> None:
         if wrong_platform or wrong_python:
             bad.append(whl.name)
     if bad:
-        raise ShardstackError(f"wheels that do not fit the nodes (CPython {'.'.join(map(str, TARGET_PYTHON))}, "
+        raise ShardstackError(f"wheels that do not fit the nodes (CPython {'.'.join(map(str, python))}, "
                               f"x86_64): {', '.join(sorted(bad))}",
                               hint="the index served wheels for another platform; check its configuration")
 
@@ -306,14 +333,15 @@ def _atomic_dir(final: Path, fill: Callable[[Path], None]) -> None:
         shutil.rmtree(tmp, ignore_errors=True)
 
 
-def _fetch_deps(project: Path, accel: AcceleratorClass, venv: Venv, dest: Path, log: Callable[[str], None]) -> None:
+def _fetch_deps(project: Path, accel: AcceleratorClass, venv: Venv, python: tuple[int, int], dest: Path,
+                log: Callable[[str], None]) -> None:
     """Resolve, download exactly those files, check them against the index's hashes and write deps.lock."""
-    pins = resolve(project, accel, venv)
-    log(f"wheelhouse: {accel.name}: {len(pins)} files, torch {accel.torch_version}")
+    pins = resolve(project, accel, venv, python)
+    log(f"wheelhouse: {accel.name} ({abi_tag(python)}): {len(pins)} files, torch {accel.torch_version}")
     with tempfile.TemporaryDirectory() as tmp:
         exact = Path(tmp) / "pins.txt"
         exact.write_text("".join(f"{p.name}==={p.version}\n" for p in pins))
-        _pip(["download", "--quiet", "--no-deps", "--dest", str(dest), *_target_args(), *_index_args(accel),
+        _pip(["download", "--quiet", "--no-deps", "--dest", str(dest), *_target_args(python), *_index_args(accel),
               "-r", str(exact)], f"downloading the {accel.name} wheelhouse")
     lines = []
     for p in pins:
@@ -325,34 +353,38 @@ def _fetch_deps(project: Path, accel: AcceleratorClass, venv: Venv, dest: Path, 
             raise ShardstackError(f"{p.filename}: sha256 {digest} differs from the index's {p.sha256}",
                                   hint="a corrupt download or a tampered mirror; remove it and build again")
         lines.append(lock_line(p.name, p.version, digest))
-    _check_tags(dest)
+    _check_tags(dest, python)
     (dest / "deps.lock").write_text("\n".join(lines) + "\n")
 
 
 def dependencies(project: Path, cache: Path | None = None, *, accel: AcceleratorClass, venv: Venv = RUNTIME,
-                 log: Callable[[str], None] = print) -> Path:
-    """The directory of the venv's dependencies (wheels + deps.lock) for the class, fetched when the cache lacks it."""
-    deps = (cache or cache_root()) / venv.directory(accel) / f"deps-{deps_key(project, accel, venv)}"
+                 python: tuple[int, int] = DEFAULT_PYTHON, log: Callable[[str], None] = print) -> Path:
+    """The directory of the venv's dependencies (wheels + deps.lock) for the class and the nodes' Python, fetched
+    when the cache lacks it."""
+    deps = (cache or cache_root()) / venv.directory(accel, python) / f"deps-{deps_key(project, accel, venv, python)}"
     if not (deps / "deps.lock").is_file():
-        log(f"wheelhouse: fetching the {accel.name} dependencies of {venv.requirement(accel)} into {deps} "
-            f"(once per pyproject.toml)")
-        _atomic_dir(deps, lambda tmp: _fetch_deps(project, accel, venv, tmp, log))
+        log(f"wheelhouse: fetching the {accel.name} dependencies of {venv.requirement(accel)} for CPython "
+            f"{python[0]}.{python[1]} into {deps} (once per pyproject.toml)")
+        _atomic_dir(deps, lambda tmp: _fetch_deps(project, accel, venv, python, tmp, log))
     return deps
 
 
 def build(project: Path, cache: Path | None = None, *, accel: AcceleratorClass | None = None,
-          venv: Venv = RUNTIME, log: Callable[[str], None] = print) -> Wheelhouse:
-    """Return the venv's wheelhouse of the class for the project's current source, building what the cache lacks."""
+          venv: Venv = RUNTIME, python: tuple[int, int] = DEFAULT_PYTHON,
+          log: Callable[[str], None] = print) -> Wheelhouse:
+    """Return the venv's wheelhouse of the class and the nodes' Python for the project's current source, building
+    what the cache lacks."""
     accel = accel or BY_NAME["cpu"]
     started = time.monotonic()
-    root = (cache or cache_root()) / venv.directory(accel)
+    directory = venv.directory(accel, python)
+    root = (cache or cache_root()) / directory
     requirement = venv.requirement(accel)
     skey = source_key(project)
     final = root / skey
     built = False
     if not (final / "manifest.json").is_file():
         built = True
-        deps = dependencies(project, cache, accel=accel, venv=venv, log=log)
+        deps = dependencies(project, cache, accel=accel, venv=venv, python=python, log=log)
         log(f"wheelhouse: building the shardstack wheel into {final}")
 
         def fill(tmp: Path) -> None:
@@ -367,12 +399,13 @@ def build(project: Path, cache: Path | None = None, *, accel: AcceleratorClass |
             own_sha = _sha256(own)
             own_line = lock_line(requirement, version, own_sha)
             (tmp / OWN_LOCK).write_text(own_line + "\n")
-            (tmp / LOCK).write_text(f"# shardstack wheelhouse {venv.directory(accel)}-{skey}: pip install --no-index "
+            (tmp / LOCK).write_text(f"# shardstack wheelhouse {directory}-{skey}: pip install --no-index "
                                     f"--find-links . --require-hashes -r {LOCK}\n{own_line}\n"
                                     + (deps / "deps.lock").read_text())
             files = {p.name: _sha256(p) for p in sorted(tmp.glob("*.whl"))}
-            manifest = {"key": f"{venv.directory(accel)}-{skey}", "venv": venv.name, "accelerator": accel.name,
-                        "torch": accel.torch_version, "requirement": f"{requirement}=={version}",
+            manifest = {"key": f"{directory}-{skey}", "venv": venv.name, "accelerator": accel.name,
+                        "python": "{}.{}".format(*python), "torch": accel.torch_version,
+                        "requirement": f"{requirement}=={version}",
                         "shardstack_wheel": own.name, "shardstack_sha256": own_sha, "lock": LOCK,
                         "own_lock": OWN_LOCK, "deps_key": deps.name, "files": files}
             (tmp / "manifest.json").write_text(json.dumps(manifest, indent=2) + "\n")
@@ -385,7 +418,8 @@ def build(project: Path, cache: Path | None = None, *, accel: AcceleratorClass |
         _atomic_dir(final, fill)
     manifest = json.loads((final / "manifest.json").read_text())
     wheels = list(final.glob("*.whl"))
-    return Wheelhouse(path=final, key=manifest["key"], accelerator=manifest["accelerator"], torch=manifest["torch"],
+    return Wheelhouse(path=final, key=manifest["key"], accelerator=manifest["accelerator"],
+                      python=manifest.get("python", "{}.{}".format(*DEFAULT_PYTHON)), torch=manifest["torch"],
                       shardstack_wheel=manifest["shardstack_wheel"], shardstack_sha256=manifest["shardstack_sha256"],
                       requirement=manifest["requirement"], venv=manifest.get("venv", "runtime"),
                       lock=manifest["lock"], files=len(wheels), bytes=sum(w.stat().st_size for w in wheels),

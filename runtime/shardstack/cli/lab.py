@@ -13,6 +13,7 @@ from shardstack.cli.inventory import LAB_INVENTORY
 from shardstack.cli.output import EXIT_FAILED_HOSTS, EXIT_OK, Progress, stdout
 from shardstack.errors import ShardstackError
 from shardstack.lab import lab, state
+from shardstack.lab.image import DEFAULT_RELEASE, RELEASES
 
 DEFAULT_NAME = "lab"
 
@@ -24,6 +25,8 @@ def register(sub: argparse._SubParsersAction) -> None:
     up = lsub.add_parser("up", help="build the node image once, boot N nodes, write an inventory")
     up.add_argument("--name", default=DEFAULT_NAME, help=f"lab name, 1-8 of [a-z0-9] (default {DEFAULT_NAME})")
     up.add_argument("--nodes", type=int, default=3, help="number of nodes (default 3)")
+    up.add_argument("--release", choices=sorted(RELEASES), default=DEFAULT_RELEASE,
+                    help=f"the nodes' Debian release (default {DEFAULT_RELEASE})")
     # An output, so not -i/--inventory, which every other command reads.
     up.add_argument("--write-inventory", type=Path, default=None, metavar="PATH",
                     help=f"where to write the lab's Ansible inventory (default {LAB_INVENTORY})")
@@ -54,10 +57,10 @@ def register(sub: argparse._SubParsersAction) -> None:
 def _up(args: argparse.Namespace) -> int:
     inventory = args.write_inventory or LAB_INVENTORY
     started = time.monotonic()
-    lab.up(args.name, args.nodes, inventory, Progress(quiet=args.json))
+    lab.up(args.name, args.nodes, inventory, Progress(quiet=args.json), release=args.release)
     seconds = time.monotonic() - started
     if args.json:
-        print(json.dumps({"name": args.name, "nodes": args.nodes, "inventory": str(inventory),
+        print(json.dumps({"name": args.name, "nodes": args.nodes, "release": args.release, "inventory": str(inventory),
                           "seconds": round(seconds, 1)}, indent=2))
     else:
         print(f"lab {args.name} up in {seconds:.1f}s")
@@ -88,7 +91,8 @@ def _status(args: argparse.Namespace) -> int:
     if args.json:  # 0 whatever the states: molecule's create reads the addresses of nodes still booting
         print(lab.dumps(info))
         return EXIT_OK
-    table = Table(title=f"lab {info['name']} — {info['subnet']} on {info['bridge']}, apt proxy {info['apt_proxy']}")
+    table = Table(title=f"lab {info['name']} ({info['release']}) — {info['subnet']} on {info['bridge']}, "
+                        f"apt proxy {info['apt_proxy']}")
     for col in ("node", "address", "state", "leader pid", "memory", "ssh"):
         table.add_column(col)
     for n in info["nodes"]:

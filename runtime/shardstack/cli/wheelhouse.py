@@ -1,4 +1,5 @@
-"""`shardstack wheelhouse`: build (or find cached) the offline, hash-locked wheelhouse of one accelerator class."""
+"""`shardstack wheelhouse`: build (or find cached) the offline, hash-locked wheelhouse of one accelerator class for
+the nodes' Python."""
 
 from __future__ import annotations
 
@@ -8,7 +9,16 @@ import sys
 from pathlib import Path
 
 from shardstack.accel import BY_NAME, accelerator_class, probe
-from shardstack.build.wheelhouse import VENVS, accelerator, build, dependencies, resolve
+from shardstack.build.wheelhouse import (
+    DEFAULT_PYTHON,
+    TARGET_PYTHONS,
+    VENVS,
+    accelerator,
+    build,
+    dependencies,
+    resolve,
+    target_python,
+)
 from shardstack.ops.runner import project_dir
 
 
@@ -20,6 +30,10 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--venv", default="runtime", choices=list(VENVS),
                    help="runtime (default: shardstack[train,serve]) or vllm (the vLLM engine's venv, "
                         "inference_service_engine: vllm)")
+    default_python = "{}.{}".format(*DEFAULT_PYTHON)
+    p.add_argument("--python", default=default_python, metavar="X.Y",
+                   help=f"the nodes' CPython: {' or '.join('{}.{}'.format(*v) for v in TARGET_PYTHONS)} "
+                        f"(default {default_python}: Debian 12; Debian 13 has 3.13)")
     p.add_argument("--driver-branch", default=None, help="with auto: decide for this driver branch instead")
     p.add_argument("--dry-run", action="store_true",
                    help="resolve only: print the files the lock would pin, download nothing")
@@ -42,10 +56,12 @@ def _cli(args: argparse.Namespace) -> int:
         accel = choice.accel
     else:
         accel = accelerator(args.accelerator)
+    python = target_python(args.python)
     if args.dry_run:
-        pins = resolve(project_dir(), accel, VENVS[args.venv])
+        pins = resolve(project_dir(), accel, VENVS[args.venv], python)
         if args.json:
-            print(json.dumps({"venv": args.venv, "accelerator": accel.name, "torch": accel.torch_version,
+            print(json.dumps({"venv": args.venv, "accelerator": accel.name, "python": args.python,
+                              "torch": accel.torch_version,
                               "pins": [{"name": p.name, "version": p.version, "file": p.filename, "sha256": p.sha256}
                                        for p in pins]}, indent=2))
         else:
@@ -53,15 +69,16 @@ def _cli(args: argparse.Namespace) -> int:
                 print(f"{p.name}=={p.version}  {p.filename}  sha256:{p.sha256 or '(computed on download)'}")
         return 0
     if args.deps_only:
-        deps = dependencies(project_dir(), args.cache, accel=accel, venv=VENVS[args.venv], log=say)
-        print(json.dumps({"venv": args.venv, "accelerator": accel.name, "deps": str(deps)}, indent=2)
+        deps = dependencies(project_dir(), args.cache, accel=accel, venv=VENVS[args.venv], python=python, log=say)
+        print(json.dumps({"venv": args.venv, "accelerator": accel.name, "python": args.python, "deps": str(deps)},
+                         indent=2)
               if args.json else deps)
         return 0
-    wh = build(project_dir(), args.cache, accel=accel, venv=VENVS[args.venv], log=say)
+    wh = build(project_dir(), args.cache, accel=accel, venv=VENVS[args.venv], python=python, log=say)
     if args.json:
         print(json.dumps(wh.to_dict(), indent=2))
     else:
         state = "built" if wh.built else "cached"
-        print(f"{wh.path}  ({wh.venv} venv, {wh.accelerator}, torch {wh.torch}, {state}, {wh.files} wheels, "
-              f"{wh.bytes / 2**20:.0f} MiB, lock {wh.lock}, {wh.seconds:.1f}s)")
+        print(f"{wh.path}  ({wh.venv} venv, {wh.accelerator}, CPython {wh.python}, torch {wh.torch}, {state}, "
+              f"{wh.files} wheels, {wh.bytes / 2**20:.0f} MiB, lock {wh.lock}, {wh.seconds:.1f}s)")
     return 0

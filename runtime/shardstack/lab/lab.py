@@ -19,7 +19,7 @@ from pathlib import Path
 from shardstack.errors import ShardstackError
 from shardstack.lab import state as st
 from shardstack.lab.host import port_open, preflight, require_root, sh
-from shardstack.lab.image import ensure_image
+from shardstack.lab.image import DEFAULT_RELEASE, check_release, ensure_image
 from shardstack.lab.inventory import write_inventory
 from shardstack.lab.network import free_subnet_index, labs_lock, make_bridge, start_proxy
 from shardstack.lab.node import (
@@ -37,16 +37,18 @@ from shardstack.lab.node import (
 from shardstack.lab.report import Reporter, Silent
 
 
-def up(name: str, nodes: int, inventory: Path, progress: Reporter | None = None) -> st.LabState:
+def up(name: str, nodes: int, inventory: Path, progress: Reporter | None = None,
+       release: str = DEFAULT_RELEASE) -> st.LabState:
     progress = progress or Silent()
     st.validate_name(name)
+    check_release(release)
     if not 1 <= nodes <= st.MAX_NODES:
         raise ShardstackError(f"--nodes must be between 1 and {st.MAX_NODES}, got {nodes}")
     preflight()
     if name in st.list_labs() or Path(f"/run/netns/{st.netns_name(name, 1)}").exists():
         raise ShardstackError(f"a lab named {name!r} already exists",
                               hint=f"take it down first (shardstack lab down --name {name}) or pick another name")
-    image = ensure_image(progress)
+    image = ensure_image(progress, release)
     with labs_lock():
         k = free_subnet_index()
         d = st.labs_dir() / name
@@ -54,6 +56,7 @@ def up(name: str, nodes: int, inventory: Path, progress: Reporter | None = None)
         lab = st.LabState(
             name=name, subnet_index=k, bridge=st.bridge_name(name), bridge_ip=f"{st.SUBNET_PREFIX}.{k}.1",
             dir=str(d), image=str(image), ssh_key=str(d / "id_ed25519"), inventory=str(inventory.resolve()),
+            release=release,
         )
         lab.nodes = [
             st.NodeState(name=st.node_name(name, i), index=i, ip=f"{st.SUBNET_PREFIX}.{k}.{st.NODE_HOST_OFFSET + i}",
@@ -79,7 +82,7 @@ def up(name: str, nodes: int, inventory: Path, progress: Reporter | None = None)
         progress.warn(f"lab {name} failed to come up; tearing it down")
         down(name, Silent())
         raise
-    progress.done(f"lab {name} up: {nodes} node(s); inventory {inventory}")
+    progress.done(f"lab {name} up: {nodes} {release} node(s); inventory {inventory}")
     return lab
 
 
@@ -148,7 +151,8 @@ def status(name: str) -> dict:
         pss = pss_bytes(cgroup_pids(cgs[0])) if cgs else 0
         nodes.append({"name": n.name, "address": n.ip, "state": system_state(pid) if pid else "stopped",
                       "leader_pid": pid, "memory_bytes": pss, "ssh": port_open(n.ip, 22) if pid else False})
-    return {"name": lab.name, "bridge": lab.bridge, "subnet": f"{lab.bridge_ip.rsplit('.', 1)[0]}.0/24",
+    return {"name": lab.name, "release": lab.release, "bridge": lab.bridge,
+            "subnet": f"{lab.bridge_ip.rsplit('.', 1)[0]}.0/24",
             "apt_proxy": lab.proxy_url, "proxy_running": Path(f"/proc/{lab.proxy_pid}").exists(),
             "inventory": lab.inventory, "ssh_key": lab.ssh_key, "shared_dir": f"{lab.dir}/shared", "nodes": nodes}
 

@@ -16,6 +16,11 @@ from shardstack.lab.host import port_open, sh
 
 BOOT_TIMEOUT_S = 90
 SHARED_MOUNT = "/mnt/lab-shared"  # the host directory every node sees: the lab's "shared storage" (bind backend)
+# Releases whose systemd gets the unified cgroup hierarchy (cgroup2 at /sys/fs/cgroup, the host's unified tree
+# delegated) instead of nspawn's default on a hybrid host (v1 controllers + a v1 name=systemd tree). systemd 257
+# (trixie) still boots hybrid, but upstream deprecated it in 256 and removed it in 258, and a real trixie host is
+# cgroup2-only, so its nodes get what their systemd is made for. Bookworm's nodes keep nspawn's default, as before.
+UNIFIED_CGROUP_RELEASES = frozenset({"trixie"})
 
 
 def prepare_node(lab: st.LabState, node: st.NodeState) -> None:
@@ -66,9 +71,12 @@ def boot(lab: st.LabState, node: st.NodeState) -> int:
     ]
     if Path("/dev/fuse").exists():
         cmd.append("--bind=/dev/fuse")
+    env = dict(os.environ)
+    if lab.release in UNIFIED_CGROUP_RELEASES:
+        env["SYSTEMD_NSPAWN_UNIFIED_HIERARCHY"] = "1"
     log = open(Path(node.root).parent / "console.log", "w")  # noqa: SIM115 - handed to nspawn
     proc = subprocess.Popen(cmd, stdin=subprocess.DEVNULL, stdout=log, stderr=log, start_new_session=True,
-                            preexec_fn=enter_cgroup)
+                            preexec_fn=enter_cgroup, env=env)
     return proc.pid
 
 

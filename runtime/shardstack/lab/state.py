@@ -84,6 +84,7 @@ class LabState:
     ssh_key: str
     inventory: str
     proxy_pid: int = 0
+    release: str = "bookworm"  # the Debian suite its image is (state files older than releases are bookworm)
     nodes: list[NodeState] = field(default_factory=list)
 
     @property
