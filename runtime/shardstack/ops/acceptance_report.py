@@ -5,6 +5,7 @@ so the ops layer stays importable on a controller without it."""
 from __future__ import annotations
 
 import dataclasses
+import logging
 import time
 from pathlib import Path
 from typing import Any
@@ -22,6 +23,7 @@ def _pyplot():
     except ImportError:
         raise ShardstackError("the acceptance report's plots need matplotlib",
                               hint="pip install 'shardstack[ops]' (or: pip install matplotlib)") from None
+    logging.getLogger("matplotlib").setLevel(logging.WARNING)  # its font-cache notice is not the report's
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
@@ -47,7 +49,7 @@ def plot_loss(item: Item, path: Path) -> None:
     if diffs:
         steps = sorted(diffs)
         dx.semilogy(steps, [max(diffs[s], 1e-12) for s in steps], ".-", color="tab:red")
-    dx.set_ylabel("|Δ| / loss")
+    dx.set_ylabel("|Δ| / loss (0 at 1e-12)")
     dx.set_xlabel("step")
     fig.tight_layout()
     fig.savefig(path, dpi=100)
@@ -60,7 +62,10 @@ def plot_scaling(item: Item, path: Path) -> None:
     fig, ax = plt.subplots(figsize=(6, 4.5))
     xs = [p["nodes"] for p in pts]
     ys = [p["tokens_per_second"] for p in pts]
-    ax.plot(xs, ys, "o-", label="measured (median of the timed steps)")
+    iqr = [p.get("iqr") or (p["tokens_per_second"],) * 2 for p in pts]
+    ax.errorbar(xs, ys, yerr=[[y - q[0] for y, q in zip(ys, iqr, strict=True)],
+                              [q[1] - y for y, q in zip(ys, iqr, strict=True)]],
+                fmt="o-", capsize=4, label="measured: median, bars 25–75 % of the steps")
     base = next((p["tokens_per_second"] for p in pts if p["nodes"] == 1), None)
     if base:
         ax.plot(xs, [n * base for n in xs], ":", color="gray", label="linear: N × one node")
@@ -94,8 +99,9 @@ def plot_allreduce(item: Item, path: Path) -> None:
     ax.set_xlabel("message size (bytes)")
     ax.set_ylabel("Gbit/s")
     ax.set_ylim(bottom=0)
+    two = " (2 ranks: busbw = algbw)" if item.data.get("world_size") == 2 else ""
     ax.set_title(f"all-reduce, {item.data.get('backend')} over {item.data.get('nodes')} node(s)"
-                 + ("" if item.data.get("sweep") else " (one size)"))
+                 + ("" if item.data.get("sweep") else ", one size") + two)
     ax.legend()
     fig.tight_layout()
     fig.savefig(path, dpi=100)
@@ -174,13 +180,18 @@ def write(result: Acceptance, out: Path) -> Path:
             lines += ["", *[f"- {_cell(d)}" for d in item.details]]
         if item.key in plots:
             lines += ["", f"![{item.title}]({plots[item.key]})"]
-    lines += ["", "## Runs", "", "| job | nodes | ZeRO stage | steps logged | median tokens/s | median step s | "
-              "seconds | state |", "| --- | ---: | ---: | ---: | ---: | ---: | ---: | --- |"]
+    lines += ["", "## Runs", "", "Tokens/s and step seconds: medians of each run's steps after its first; the "
+              "spread is the 25–75 % range.", "",
+              "| job | nodes | ZeRO stage | steps logged | median tokens/s | spread "
+              "| median step s | seconds | state |",
+              "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | --- |"]
     for r in result.runs:
         tps = f"{r.tokens_per_second:,.0f}" if r.tokens_per_second else "-"
+        q = r.tokens_per_second_iqr
+        iqr = f"{q[0]:,.0f}–{q[1]:,.0f}" if q else "-"
         step = f"{r.step_seconds:.4f}" if r.step_seconds else "-"
-        lines.append(f"| {r.job} | {r.nodes} | {r.stage} | {len(r.records)} | {tps} | {step} | {r.seconds:.0f} | "
-                     f"{_cell(r.state + (': ' + r.error if r.error else ''))} |")
+        lines.append(f"| {r.job} | {r.nodes} | {r.stage} | {len(r.records)} | {tps} | {iqr} | {step} | "
+                     f"{r.seconds:.0f} | {_cell(r.state + (': ' + r.error if r.error else ''))} |")
     if result.validate_findings:
         lines += ["", "validate's findings (its own report: `shardstack validate`):", "",
                   *[f"- {_cell(f)}" for f in result.validate_findings]]
