@@ -50,6 +50,8 @@ def register(sub: argparse._SubParsersAction) -> None:
                    help=f"stage 0 vs stage 3: max relative loss difference (default {t.loss_rtol:g})")
     h.add_argument("--min-scaling-efficiency", type=float, default=t.min_scaling_efficiency,
                    help=f"tps(N) / (N · tps(1)) at the most nodes (default {t.min_scaling_efficiency:g})")
+    h.add_argument("--max-scaling-efficiency", type=float, default=t.max_scaling_efficiency,
+                   help=f"above this the runs were not alike and the item fails (default {t.max_scaling_efficiency:g})")
     h.add_argument("--max-comm-fraction", type=float, default=t.max_comm_fraction,
                    help=f"gradient traffic at the measured busbw / step time (default {t.max_comm_fraction:g})")
     h.add_argument("--min-gpu-utilization", type=float, default=t.min_gpu_utilization,
@@ -86,6 +88,7 @@ def _acceptance(args: argparse.Namespace) -> int:
         time_budget=None if args.time_budget is None else args.time_budget * 60)
     thresholds = acceptance.Thresholds(
         loss_rtol=args.loss_rtol, min_scaling_efficiency=args.min_scaling_efficiency,
+        max_scaling_efficiency=args.max_scaling_efficiency,
         max_comm_fraction=args.max_comm_fraction, min_gpu_utilization=args.min_gpu_utilization)
     # The model size is checked here, before any node is asked: a typo should not cost a validate run.
     from shardstack.train.config import config_from_dict

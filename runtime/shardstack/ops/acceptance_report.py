@@ -101,7 +101,8 @@ def plot_allreduce(item: Item, path: Path) -> None:
     ax.set_ylim(bottom=0)
     two = " (2 ranks: busbw = algbw)" if item.data.get("world_size") == 2 else ""
     ax.set_title(f"all-reduce, {item.data.get('backend')} over {item.data.get('nodes')} node(s)"
-                 + ("" if item.data.get("sweep") else ", one size") + two)
+                 + ("" if item.data.get("sweep") else ", one size") + ("\n" + two.strip() if two else ""),
+                 fontsize="medium")
     ax.legend()
     fig.tight_layout()
     fig.savefig(path, dpi=100)
