@@ -41,8 +41,9 @@ def register(sub: argparse._SubParsersAction) -> None:
     g.add_argument("--model-size", default=d.model_size, help=f"GPT size of the jobs (default {d.model_size})")
     g.add_argument("--seed", type=int, default=d.seed, help=f"the jobs' seed (default {d.seed})")
     g.add_argument("--max-nodes", type=int, default=None, help="scale up to this many train nodes (default: all)")
-    g.add_argument("--allreduce-mb", type=float, default=d.allreduce_mb,
-                   help=f"validate's all-reduce size in MiB (default {d.allreduce_mb:g})")
+    g.add_argument("--allreduce-mb", type=float, default=None,
+                   help="validate's all-reduce size in MiB, the largest of its sweep where it sweeps (default: "
+                        "validate's own)")
     g.add_argument("--job-timeout", type=float, default=d.job_timeout,
                    help=f"seconds one job may take (default {d.job_timeout:.0f})")
     h = p.add_argument_group("thresholds (defaults: honest for the lab's shared CPUs; docs/operations.md)")

@@ -85,7 +85,7 @@ class Settings:
     model_size: str = "tiny"  # a GPT size (shardstack.model.shapes), byte-level, on the shipped corpus
     seed: int = 1337
     max_nodes: int | None = None  # scale up to this many train nodes (default: every usable one)
-    allreduce_mb: float = 16.0  # validate's all-reduce size
+    allreduce_mb: float | None = None  # validate's all-reduce size (its sweep's largest); None: validate's default
     job_timeout: float = 900.0  # seconds one job may take
     time_budget: float | None = None  # seconds the whole acceptance may take (None: reported, not judged)
 
@@ -101,7 +101,8 @@ class Settings:
                                   "the job must still be running then")
         if self.max_nodes is not None and self.max_nodes < 1:
             raise ShardstackError("max-nodes must be ≥ 1")
-        if self.allreduce_mb <= 0 or self.job_timeout <= 0 or (self.time_budget is not None and self.time_budget <= 0):
+        if ((self.allreduce_mb is not None and self.allreduce_mb <= 0) or self.job_timeout <= 0
+                or (self.time_budget is not None and self.time_budget <= 0)):
             raise ShardstackError("allreduce-mb, job timeout and time budget must be positive")
 
 
@@ -626,9 +627,12 @@ def run(cluster: Cluster, settings: Settings, thresholds: Thresholds, hooks: Hoo
         hooks.item(item)
         return item
 
-    hooks.echo(f"validate (all-reduce of {settings.allreduce_mb:g} MiB, node facts)")
+    size = "validate's default size" if settings.allreduce_mb is None else f"up to {settings.allreduce_mb:g} MiB"
+    hooks.echo(f"validate (all-reduce, {size}; node facts)")
     t = time.monotonic()
-    val, findings = run_validate(cluster, allreduce_mb=settings.allreduce_mb, on_event=hooks.events())
+    # Only a size that was asked for is passed: validate's own default is the one for the nodes' backend.
+    size_arg = {} if settings.allreduce_mb is None else {"allreduce_mb": settings.allreduce_mb}
+    val, findings = run_validate(cluster, **size_arg, on_event=hooks.events())
     validate_seconds = time.monotonic() - t
     result.allreduce = val.data.get("validate_allreduce")
     result.validate_findings = findings
