@@ -42,6 +42,7 @@ CHILD = textwrap.dedent("""
         except SystemExit as exc:  # argparse's --help exits 0
             assert exc.code == 0, (argv, exc.code)
     assert not any(m == "torch" or m.startswith("torch.") for m in sys.modules), "torch was imported"
+    assert "matplotlib" not in sys.modules, "matplotlib was imported (only the acceptance report's writer needs it)"
     print("ok")
 """)
 

@@ -35,6 +35,8 @@ _COMMAND_MODULES: list[tuple[str, str, str]] = [
     ("artifacts", "shardstack.cli.artifacts", "training artefacts on shared storage: prune old ones"),
     ("logs", "shardstack.cli.logs", "search every node's journal in the central log store"),
     ("wheelhouse", "shardstack.cli.wheelhouse", "build the offline wheelhouse the nodes install shardstack from"),
+    ("acceptance", "shardstack.cli.acceptance", "the acceptance on a deployed cluster: loss ZeRO off/on, scaling, "
+     "bandwidth, GPU use, kill and resume; a Markdown report with plots"),
     ("demo", "shardstack.cli.demo", "the lab end to end: lab up, site.yml, train, export, serve, validate"),
 ]
 

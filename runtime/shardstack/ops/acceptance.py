@@ -1,0 +1,700 @@
+"""`shardstack acceptance`: the deployment guides' acceptance on a deployed cluster, measured with the cluster's own
+verbs and judged against stated thresholds.
+
+The runs are ordinary jobs (`train.submit`, `train.wait_job`) of a small model on the shipped corpus, each writing
+the trainer's per-step JSON records (`metrics.json_log`, one line per step) to a directory of this acceptance on
+shared storage (`<shared>/checkpoints/acceptance-<UTC time>/`), which is where every figure here comes
+from:
+
+- loss: the same job, seed and data at the largest node count with ZeRO stage 0 (partitioning off) and stage 3 (on);
+  the per-step losses must agree within `loss_rtol`;
+- scaling: stage 3 at 1 … N train nodes with a fixed batch per node (weak scaling), the median tokens/s of each run;
+  efficiency at N = tps(N) / (N · tps(1)) against `min_scaling_efficiency`, with the least-squares slope;
+- bandwidth: `shardstack validate`'s all-reduce (its `sweep` of sizes when it has one, else its single size), and
+  the time the model's gradients take at that bus bandwidth as a fraction of the N-node step (`max_comm_fraction`);
+- GPU: DCGM's utilisation and memory in Prometheus over the N-node run, where the train nodes have NVIDIA GPUs;
+  n/a on CPU nodes (no figure is made up);
+- kill and resume: a worker of a running job SIGKILLed after its first checkpoints; the job must resume from a
+  checkpoint (not step 0), finish, and repeat the steps it re-runs with the same losses;
+- the seconds of each item and of the whole.
+
+What is shown while it runs is the caller's (`Hooks`); the report's Markdown and plots are acceptance_report's.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import itertools
+import json
+import math
+import re
+import statistics
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+from shardstack.errors import ShardstackError
+from shardstack.ops import cordon, train
+from shardstack.ops.inventory import Cluster
+from shardstack.ops.jobs.common import TRAIN_GROUP, JobStatus, unit
+from shardstack.ops.runner import RunnerEvent, run_command
+from shardstack.ops.validate import node_facts, run_validate
+
+Status = Literal["pass", "fail", "n/a"]
+_FAILED = 1  # the CLI's EXIT_FAILED_HOSTS (ops does not import cli)
+
+
+@dataclass(frozen=True)
+class Thresholds:
+    """What each item is judged against. The defaults are the lab's honest ones (see docs/operations.md,
+    "Acceptance"): its nodes share the host's few cores, so N nodes cannot give N times one node's tokens/s; on real
+    GPU servers raise `min_scaling_efficiency` to what the guide asks (e.g. 0.9)."""
+
+    loss_rtol: float = 0.01  # max |loss_stage3 − loss_stage0| / |loss_stage0| over the steps
+    min_scaling_efficiency: float = 0.35  # tps(N) / (N · tps(1))
+    # Above this the runs were not alike (weak scaling cannot beat linear by much): no measurement of scaling.
+    max_scaling_efficiency: float = 1.25
+    max_comm_fraction: float = 0.25  # gradient traffic time at the measured busbw / the N-node step time
+    min_gpu_utilization: float = 0.85  # DCGM GPU utilisation, mean over the N-node run's window
+
+    def __post_init__(self) -> None:
+        for name in ("loss_rtol", "min_scaling_efficiency", "max_scaling_efficiency", "max_comm_fraction",
+                     "min_gpu_utilization"):
+            value = getattr(self, name)
+            if not (isinstance(value, int | float) and math.isfinite(value) and value > 0):
+                raise ShardstackError(f"threshold {name} must be a positive number, not {value!r}")
+        for name in ("min_scaling_efficiency", "min_gpu_utilization", "max_comm_fraction"):
+            if getattr(self, name) > 1:
+                raise ShardstackError(f"threshold {name} is a fraction (0–1], not {getattr(self, name)}")
+        if self.max_scaling_efficiency <= self.min_scaling_efficiency:
+            raise ShardstackError(f"threshold max_scaling_efficiency ({self.max_scaling_efficiency}) must be above "
+                                  f"min_scaling_efficiency ({self.min_scaling_efficiency})")
+
+
+@dataclass(frozen=True)
+class Settings:
+    """The runs' sizes: small by default, so the whole acceptance takes minutes on the lab."""
+
+    steps: int = 50  # optimizer steps of each loss/throughput run
+    kill_steps: int = 150  # steps of the kill-and-resume job (long enough that the kill lands mid-run)
+    checkpoint_interval: int = 20  # the kill job's checkpoint interval; the kill waits for the second one
+    # Sequences per node per step (global batch = this × nodes: weak scaling); enough that a tiny model's step is
+    # compute, not the shared host's scheduling noise.
+    batch_per_node: int = 16
+    model_size: str = "tiny"  # a GPT size (shardstack.model.shapes), byte-level, on the shipped corpus
+    seed: int = 1337
+    max_nodes: int | None = None  # scale up to this many train nodes (default: every usable one)
+    allreduce_mb: float | None = None  # validate's all-reduce size (its sweep's largest); None: validate's default
+    job_timeout: float = 900.0  # seconds one job may take
+    time_budget: float | None = None  # seconds the whole acceptance may take (None: reported, not judged)
+
+    def __post_init__(self) -> None:
+        for name in ("steps", "kill_steps", "checkpoint_interval", "batch_per_node"):
+            if getattr(self, name) < 1:
+                raise ShardstackError(f"{name.replace('_', '-')} must be ≥ 1")
+        if self.steps < 3:
+            raise ShardstackError("steps must be ≥ 3: the first step pays for warm-up and is not timed")
+        if self.kill_steps < 3 * self.checkpoint_interval:
+            raise ShardstackError(f"kill-steps ({self.kill_steps}) must be ≥ 3 × the checkpoint interval "
+                                  f"({self.checkpoint_interval}): the kill lands after the second checkpoint and "
+                                  "the job must still be running then")
+        if self.max_nodes is not None and self.max_nodes < 1:
+            raise ShardstackError("max-nodes must be ≥ 1")
+        if ((self.allreduce_mb is not None and self.allreduce_mb <= 0) or self.job_timeout <= 0
+                or (self.time_budget is not None and self.time_budget <= 0)):
+            raise ShardstackError("allreduce-mb, job timeout and time budget must be positive")
+
+
+@dataclass
+class Run:
+    """One job of the acceptance and the per-step records its rank 0 wrote (metrics.json_log)."""
+
+    job: str
+    nodes: int
+    stage: int
+    seconds: float = 0.0  # submit to finished, on the controller
+    state: str = ""
+    records: list[dict[str, Any]] = field(default_factory=list)
+    error: str | None = None
+
+    @property
+    def losses(self) -> dict[int, float]:
+        return {r["step"]: float(r["loss"]) for r in self.records}
+
+    @property
+    def timed(self) -> list[dict[str, Any]]:
+        """The records that measure throughput: all but the run's first step (warm-up, allocation, connections)."""
+        return self.records[1:]
+
+    @property
+    def tokens_per_second(self) -> float | None:
+        timed = self.timed
+        return statistics.median(r["tokens_per_second"] for r in timed) if timed else None
+
+    @property
+    def tokens_per_second_iqr(self) -> tuple[float, float] | None:
+        """The timed steps' tokens/s quartiles (25 %, 75 %): how much the median can be trusted."""
+        timed = [r["tokens_per_second"] for r in self.timed]
+        if len(timed) < 2:
+            return None
+        q = statistics.quantiles(timed, n=4)
+        return q[0], q[2]
+
+    @property
+    def step_seconds(self) -> float | None:
+        timed = self.timed
+        return statistics.median(r["step_seconds"] for r in timed) if timed else None
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"job": self.job, "nodes": self.nodes, "stage": self.stage, "seconds": round(self.seconds, 1),
+                "state": self.state, "error": self.error, "tokens_per_second": self.tokens_per_second,
+                "tokens_per_second_iqr": self.tokens_per_second_iqr,
+                "step_seconds": self.step_seconds, "records": self.records}
+
+
+@dataclass
+class Item:
+    """One acceptance item: its verdict against a stated threshold, the figure measured, what it rests on."""
+
+    key: str
+    title: str
+    status: Status
+    measured: str
+    threshold: str
+    seconds: float = 0.0
+    details: list[str] = field(default_factory=list)
+    data: dict[str, Any] = field(default_factory=dict)
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+
+@dataclass
+class Acceptance:
+    """The whole acceptance: filled in as it goes, so a caller that catches an error still has what ran."""
+
+    inventory: str
+    settings: Settings
+    thresholds: Thresholds
+    started: float = field(default_factory=time.time)  # Unix time
+    seconds: float = 0.0
+    items: list[Item] = field(default_factory=list)
+    runs: list[Run] = field(default_factory=list)
+    allreduce: dict[str, Any] | None = None
+    validate_gpu: dict[str, Any] = field(default_factory=dict)  # validate's node facts, per node
+    validate_findings: list[str] = field(default_factory=list)
+    run_dir: str = ""
+
+    @property
+    def passed(self) -> bool:
+        return all(i.status != "fail" for i in self.items)
+
+    def item(self, key: str) -> Item | None:
+        return next((i for i in self.items if i.key == key), None)
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"inventory": self.inventory, "settings": dataclasses.asdict(self.settings),
+                "thresholds": dataclasses.asdict(self.thresholds), "started": self.started,
+                "seconds": round(self.seconds, 1), "passed": self.passed, "run_dir": self.run_dir,
+                "items": [i.to_dict() for i in self.items], "runs": [r.to_dict() for r in self.runs],
+                "allreduce": self.allreduce, "validate_gpu": self.validate_gpu,
+                "validate_findings": self.validate_findings}
+
+
+# ---- judging: pure functions of the measured records, so they are tested on real data structures -------------------
+
+
+def judge_loss(off: Run, on: Run, rtol: float) -> Item:
+    """Partitioning off (stage 0) and on (stage 3): same seed, data and world size, so the same losses up to the
+    order of floating-point reductions."""
+    thr = f"max relative difference ≤ {rtol:g}"
+    item = Item("loss", "loss curves, ZeRO stage 0 vs stage 3", "fail", "-", thr,
+                data={"stage0": off.losses, "stage3": on.losses, "nodes": on.nodes})
+    for run in (off, on):
+        if run.error or run.state != "finished":
+            item.measured = f"stage {run.stage} run {run.state or 'not run'}"
+            item.details.append(f"job {run.job}: {run.error or run.state}")
+            return item
+    a, b = off.losses, on.losses
+    common = sorted(set(a) & set(b))
+    if not common or set(a) != set(b):
+        item.measured = f"steps differ: stage 0 logged {len(a)}, stage 3 {len(b)}"
+        return item
+    diffs = {s: abs(b[s] - a[s]) / max(abs(a[s]), 1e-12) for s in common}
+    worst = max(diffs, key=diffs.__getitem__)
+    item.data["rel_diff"] = diffs
+    item.measured = (f"max rel. diff {diffs[worst]:.2e} (step {worst}) over {len(common)} steps; final loss "
+                     f"{a[common[-1]]:.4f} vs {b[common[-1]]:.4f}")
+    item.status = "pass" if diffs[worst] <= rtol else "fail"
+    return item
+
+
+def scaling_fit(points: list[tuple[int, float]]) -> tuple[float, float]:
+    """Least-squares slope (tokens/s per added node) and intercept of tokens/s over nodes."""
+    xs, ys = [float(n) for n, _ in points], [t for _, t in points]
+    slope, intercept = statistics.linear_regression(xs, ys)
+    return slope, intercept
+
+
+def judge_scaling(runs: list[Run], min_efficiency: float, max_efficiency: float = 1.25) -> Item:
+    """Weak scaling: the same batch per node at 1 … N nodes. Efficiency at N = tps(N) / (N · tps(1)); the slope,
+    normalised by tps(1), is 1.0 for linear scaling. An efficiency above `max_efficiency` fails too: with the same
+    work per node, N nodes cannot do much more than N times one node's, so the runs were not alike and the figure
+    says nothing about scaling."""
+    thr = f"{min_efficiency:g} ≤ efficiency at the most nodes ≤ {max_efficiency:g}"
+    item = Item("scaling", "throughput and scaling (stage 3)", "fail", "-", thr)
+    bad = [r for r in runs if r.error or r.state != "finished" or r.tokens_per_second is None]
+    item.data["points"] = [{"nodes": r.nodes, "tokens_per_second": r.tokens_per_second,
+                            "iqr": r.tokens_per_second_iqr, "step_seconds": r.step_seconds}
+                           for r in sorted(runs, key=lambda r: r.nodes)]
+    if bad:
+        item.measured = ", ".join(f"{r.nodes} node(s): {r.error or r.state or 'no records'}" for r in bad)
+        return item
+    points = sorted((r.nodes, float(r.tokens_per_second)) for r in runs)  # type: ignore[arg-type]
+    tput = ", ".join(f"{n} node(s) {t:,.0f}" for n, t in points)
+    if len(points) < 2 or points[0][0] != 1:
+        item.status, item.measured = "n/a", f"tokens/s: {tput}; one node count only, nothing to scale"
+        return item
+    base = points[0][1]
+    eff = {n: t / (n * base) for n, t in points}
+    slope, intercept = scaling_fit(points)
+    top = points[-1][0]
+    item.data.update(efficiency=eff, slope=slope, intercept=intercept, normalised_slope=slope / base)
+    item.measured = (f"tokens/s {tput}; efficiency at {top} nodes {eff[top]:.2f}; slope {slope:,.0f} tok/s per node "
+                     f"({slope / base:.2f} of one node's)")
+    if any(e > max_efficiency for e in eff.values()):
+        item.details.append(f"more than linear (above {max_efficiency:g}): one node did less per node than "
+                            f"{top} did, so the runs were not alike (other load on shared cores, a slower one-node "
+                            "path); compare the step seconds in the runs table")
+    item.status = "pass" if min_efficiency <= eff[top] <= max_efficiency and all(
+        e <= max_efficiency for e in eff.values()) else "fail"
+    return item
+
+
+def sweep_points(allreduce: dict[str, Any]) -> list[dict[str, Any]]:
+    """validate's all-reduce per size: its `sweep` when it has one, else its single measured size."""
+    if sweep := allreduce.get("sweep"):
+        return sorted(({"bytes": int(p["bytes"]), "seconds_min": float(p["seconds_min"]),
+                        "algbw_gbps": float(p["algbw_gbps"]), "busbw_gbps": float(p["busbw_gbps"])}
+                       for p in sweep), key=lambda p: p["bytes"])
+    return [{"bytes": int(allreduce["bytes"]), "seconds_min": float(allreduce["seconds_min"]),
+             "algbw_gbps": float(allreduce["algbw_gbps"]), "busbw_gbps": float(allreduce["busbw_gbps"])}]
+
+
+def flops_per_token(record: dict[str, Any], world_size: int) -> float | None:
+    """The model's FLOPs per token, back from what the trainer logged: mfu = F · tokens/s ÷ (peak · world)."""
+    mfu, peak, tps = record.get("mfu"), record.get("peak_tflops_per_device"), record.get("tokens_per_second")
+    if not mfu or not peak or not tps:
+        return None
+    return float(mfu) * float(peak) * 1e12 * world_size / float(tps)
+
+
+def judge_bandwidth(allreduce: dict[str, Any] | None, run: Run | None, max_fraction: float) -> Item:
+    """Bandwidth is not the bottleneck when moving the model's gradients at the measured bus bandwidth takes at most
+    `max_fraction` of a step. Gradient bytes: 4 per parameter (fp32; bf16 moves half), parameters from the
+    trainer's FLOPs/token ÷ 6 (PaLM's 6N + attention: an upper bound, so the estimate errs towards failing).
+    Traffic: one all-reduce for stages 0–2; stage 3 all-gathers in forward and backward and reduce-scatters,
+    1.5 all-reduces' worth. The bus bandwidth is the one measured at the size nearest the gradients'."""
+    thr = f"gradient traffic ≤ {max_fraction:g} of a step"
+    item = Item("bandwidth", "all-reduce bus bandwidth", "fail", "-", thr)
+    if not allreduce:
+        item.measured = "validate published no all-reduce result"
+        return item
+    points = sweep_points(allreduce)
+    item.data.update(points=points, backend=allreduce.get("backend"), world_size=allreduce.get("world_size"),
+                     nodes=allreduce.get("nodes"), sweep=bool(allreduce.get("sweep")))
+    per_size = ", ".join(f"{_size(p['bytes'])} {p['busbw_gbps']:.2f}" for p in points)
+    item.measured = f"busbw Gbit/s by size: {per_size} ({allreduce.get('backend')}, {allreduce.get('nodes')} nodes)"
+    if not allreduce.get("correct", True):
+        item.details.append("the all-reduce's sum was wrong")
+        return item
+    if run is None or run.error or run.state != "finished" or not run.timed or run.nodes < 2:
+        item.details.append("no multi-node stage-3 run to compare the traffic with")
+        return item
+    fpt = flops_per_token(run.timed[-1], run.nodes)
+    if fpt is None:
+        item.details.append("the trainer's records carry no MFU to derive the model size from")
+        return item
+    params = fpt / 6
+    grad_bytes = 4 * params
+    nearest = min(points, key=lambda p: abs(math.log(p["bytes"] / grad_bytes)))
+    n = run.nodes
+    volume = (1.5 if run.stage == 3 else 1.0) * grad_bytes * 2 * (n - 1) / n
+    comm = volume * 8 / (nearest["busbw_gbps"] * 1e9)
+    step = float(run.step_seconds or 0)
+    fraction = comm / step if step else math.inf
+    item.data.update(grad_bytes=grad_bytes, comm_seconds=comm, step_seconds=step, fraction=fraction,
+                     busbw_used=nearest)
+    item.measured += (f"; gradients ≈{_size(grad_bytes)} → {comm * 1e3:.2f} ms of traffic per step at "
+                      f"{nearest['busbw_gbps']:.2f} Gbit/s vs a {step * 1e3:.1f} ms step at {n} nodes "
+                      f"({fraction:.1%})")
+    if len(points) == 1 and abs(math.log(nearest["bytes"] / grad_bytes)) > math.log(4):
+        item.details.append(f"bus bandwidth measured at {_size(nearest['bytes'])} only, the gradients are "
+                            f"≈{_size(grad_bytes)}: smaller messages are more latency-bound, so this estimate is "
+                            "optimistic (validate's sweep, where published, measures each size)")
+    item.status = "pass" if fraction <= max_fraction else "fail"
+    return item
+
+
+def _size(nbytes: float) -> str:
+    for unit_, scale in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
+        if nbytes >= scale:
+            return f"{nbytes / scale:.3g} {unit_}"
+    return f"{nbytes:.0f} B"
+
+
+def gpu_train_nodes(gpu: dict[str, Any], nodes: list[str]) -> list[str] | None:
+    """Which of `nodes` have NVIDIA GPUs, from validate's node facts; None when no node published facts."""
+    facts = {h: node_facts(r) for h, r in gpu.items() if h in nodes}
+    if not any(f is not None for f in facts.values()):
+        return None
+    return [h for h, f in facts.items() if f is not None and f.has_nvidia]
+
+
+def judge_gpu(gpu_nodes: list[str] | None, samples: dict[str, float | None] | None, memory_bytes: int | None,
+              min_util: float) -> Item:
+    """GPU utilisation from DCGM (Prometheus) over the N-node run where the train nodes have GPUs; n/a on CPU
+    nodes. `samples`: {"utilization": mean ratio, "memory": max used ratio} as Prometheus answered (None: none)."""
+    thr = f"mean utilisation ≥ {min_util:.0%}"
+    item = Item("gpu", "GPU utilisation and memory", "fail", "-", thr)
+    if gpu_nodes is None:
+        item.measured = "validate published no node facts"
+        return item
+    if not gpu_nodes:
+        item.status, item.measured = "n/a", "not applicable: no GPU on the train nodes"
+        return item
+    util = (samples or {}).get("utilization")
+    mem = (samples or {}).get("memory")
+    item.data.update(nodes=gpu_nodes, utilization=util, memory_ratio=mem, trainer_memory_bytes=memory_bytes)
+    if util is None:
+        item.measured = "no DCGM utilisation samples in Prometheus over the run"
+        item.details.append("is dcgm-exporter scraped (shardstack status)? a longer run (--steps) spans more "
+                            "scrape intervals")
+        return item
+    memory = f", framebuffer used max {mem:.0%}" if mem is not None else ""
+    trainer = f", rank 0 peak allocated {memory_bytes / 2**30:.2f} GiB" if memory_bytes else ""
+    item.measured = f"utilisation {util:.0%} on {', '.join(gpu_nodes)}{memory}{trainer}"
+    item.status = "pass" if util >= min_util else "fail"
+    return item
+
+
+def resume_point(records: list[dict[str, Any]]) -> int | None:
+    """The checkpoint step the job resumed from: the records of one job's json_log go back in steps where a
+    restarted run began again after its checkpoint; None when they never do."""
+    for prev, rec in itertools.pairwise(records):
+        if rec["step"] <= prev["step"]:
+            return rec["step"] - 1
+    return None
+
+
+def judge_resume(run: Run, killed: str | None, total_steps: int, rtol: float, min_resume: int,
+                 logged_resume: int | None = None) -> Item:
+    """The worker killed, the job resumed from a checkpoint at or after `min_resume` (the one the kill waited for),
+    finished at `total_steps`, and its re-run steps repeat the losses logged before the kill (same data, state and
+    RNG from the checkpoint). `logged_resume`: the step of the checkpoint the trainer's log says it resumed from
+    (the records alone cannot tell a kill that landed right at a checkpoint from no kill)."""
+    thr = f"resumes from step ≥ {min_resume}, finishes at {total_steps}, re-run losses within {rtol:g}"
+    item = Item("resume", "a worker killed, the job resumed", "fail", "-", thr,
+                data={"records": [{"step": r["step"], "loss": r["loss"]} for r in run.records], "killed": killed})
+    if killed is None or (run.error and not run.records):
+        item.measured = run.error or "no worker was killed"
+        return item
+    frm = logged_resume if logged_resume is not None else resume_point(run.records)
+    item.data["resumed_from"] = frm
+    last = run.records[-1]["step"] if run.records else None
+    if frm is None:
+        item.measured = f"{killed}; no resume in the job's log or records (last step {last}, job {run.state})"
+        return item
+    steps = [r["step"] for r in run.records]
+    cut = next((i for i in range(1, len(steps)) if steps[i] <= steps[i - 1]), None)
+    if cut is None:  # killed right after the checkpoint it resumed from: nothing re-run
+        cut = next((i for i, s in enumerate(steps) if s > frm), len(steps))
+    before = {r["step"]: float(r["loss"]) for r in run.records[:cut]}
+    after = {r["step"]: float(r["loss"]) for r in run.records[cut:]}
+    rerun = sorted(set(before) & set(after))
+    diffs = [abs(after[s] - before[s]) / max(abs(before[s]), 1e-12) for s in rerun]
+    worst = max(diffs, default=0.0)
+    killed_at = max(before, default=0)
+    item.data.update(killed_at=killed_at, rerun_steps=rerun, rerun_max_rel_diff=worst)
+    item.measured = (f"{killed}; killed after step {killed_at}, resumed from the step-{frm} checkpoint, "
+                     f"job {run.state} at step {last}; {len(rerun)} re-run step(s), max rel. loss diff {worst:.1e}")
+    ok = (run.state == "finished" and last == total_steps and frm >= min_resume
+          and sorted(after) == list(range(frm + 1, total_steps + 1)) and worst <= rtol)
+    if run.error:
+        item.details.append(run.error)
+    item.status = "pass" if ok else "fail"
+    return item
+
+
+def logged_resume_step(log: str, checkpoint_dir: str) -> int | None:
+    """The step of the newest checkpoint of `checkpoint_dir` the trainer's log says it resumed from."""
+    found = re.findall(rf"resumed from {re.escape(checkpoint_dir)}/step_(\d+)", log)
+    return int(found[-1]) if found else None
+
+
+def judge_time(seconds: float, budget: float | None) -> Item:
+    thr = f"≤ {budget / 60:.1f} min" if budget else "no budget set"
+    item = Item("time", "end-to-end time", "n/a", f"{seconds / 60:.1f} min ({seconds:.0f} s)", thr, seconds=seconds)
+    if budget:
+        item.status = "pass" if seconds <= budget else "fail"
+    return item
+
+
+# ---- running it on a cluster -----------------------------------------------------------------------------------------
+
+
+def _silent(*_: Any) -> None:
+    pass
+
+
+@dataclass
+class Hooks:
+    """What the caller shows while the acceptance runs; silent by default."""
+
+    echo: Callable[[str], None] = _silent  # a line of progress
+    item: Callable[[Item], None] = _silent  # an item judged
+    events: Callable[[], Callable[[RunnerEvent], None] | None] = lambda: None  # a live view for one playbook run
+
+
+def job_config(settings: Settings, shared_dir: str, run_dir: str, name: str, *, stage: int, nodes: int,
+               steps: int, checkpoint_interval: int | None = None) -> dict[str, Any]:
+    """The demo's tiny byte-level GPT job (ops.demo.demo_job, its corpus prepared on the cluster), sized for the
+    acceptance: `stage`, batch_per_node × nodes, a step record per step into the run directory, and checkpoints
+    only where the kill test needs them."""
+    from shardstack.ops.demo import demo_job
+    from shardstack.train.config import config_from_dict
+
+    cfg = demo_job(steps, shared_dir, name)
+    cfg["name"] = name
+    cfg["seed"] = settings.seed
+    cfg["model"] = {**cfg["model"], "size": settings.model_size}
+    cfg["engine"]["stage"] = stage
+    cfg["batch"] = {"global_batch": settings.batch_per_node * nodes, "micro_batch": settings.batch_per_node}
+    cfg["schedule"] = {**cfg["schedule"], "warmup_steps": min(10, steps // 10), "total_steps": steps}
+    cfg["metrics"] = {**cfg["metrics"], "log_every": 1, "json_log": f"{run_dir}/{name}.jsonl"}
+    if checkpoint_interval:
+        # keep all (0): the kill waits for one checkpoint's manifest, which pruning could remove first
+        cfg["checkpoint"] = {**cfg["checkpoint"], "dir": f"{run_dir}/{name}",
+                             "interval": checkpoint_interval, "keep": 0}
+    else:
+        cfg["checkpoint"] = {**cfg["checkpoint"], "dir": None}
+    return config_from_dict(cfg).to_dict()
+
+
+def parse_records(text: str) -> list[dict[str, Any]]:
+    """The trainer's json_log: one JSON object per step."""
+    out = []
+    for line in text.splitlines():
+        try:
+            rec = json.loads(line)
+        except ValueError:
+            continue
+        if isinstance(rec, dict) and isinstance(rec.get("step"), int) and "loss" in rec:
+            out.append(rec)
+    return out
+
+
+class _Cluster:
+    """The acceptance's view of the cluster: its train nodes, the run directory, and one job at a time."""
+
+    def __init__(self, cluster: Cluster, settings: Settings, hooks: Hooks, run_id: str) -> None:
+        self.c, self.s, self.hooks = cluster, settings, hooks
+        excluded = set(cordon.cordoned(cluster, "train"))
+        self.nodes = [h for h in cluster.group(TRAIN_GROUP) if h not in excluded]
+        if not self.nodes:
+            raise ShardstackError("the inventory has no usable train node (train_nodes empty or all cordoned)",
+                                  hint="shardstack node uncordon NODE, or add hosts to train_nodes")
+        self.head = self.nodes[0]
+        self.shared = train.job_shared_dir(cluster)
+        # Under checkpoints/: the directory the roles make for the job account's output (the shared directory's
+        # root is not the job account's). The prune policy leaves it alone: no step_N directly inside it.
+        self.run_dir = f"{self.shared}/checkpoints/acceptance-{run_id}"
+
+    def reach(self) -> None:
+        """Every train node answers, before anything is started: otherwise one clear error, not a failed item."""
+        res = run_command(["true"], self.c.path, TRAIN_GROUP, timeout=120)
+        down = {h: (r.message or r.stderr or "no answer").strip() for h, r in res.items() if not r.success}
+        down.update({h: "no answer" for h in self.nodes if h not in res})
+        if down:
+            raise ShardstackError("cannot reach train node(s): " + "; ".join(f"{h}: {m}" for h, m in
+                                                                             sorted(down.items())),
+                                  hint=f"shardstack check -i {self.c.path}", exit_code=_FAILED)
+
+    def make_run_dir(self) -> None:
+        # The jobs run as the job account: it owns the directory their records and checkpoints go to.
+        r = run_command(["runuser", "-u", self.c.job_account, "--", "mkdir", "-p", self.run_dir], self.c.path,
+                        self.head)[self.head]
+        if not r.success:
+            raise ShardstackError(f"cannot create {self.run_dir} on {self.head}: {r.stderr or r.message}",
+                                  exit_code=_FAILED)
+
+    def records(self, name: str) -> list[dict[str, Any]]:
+        path = f"{self.run_dir}/{name}.jsonl"
+        r = run_command(["cat", path], self.c.path, self.head)[self.head]
+        return parse_records(r.stdout) if r.success else []
+
+    def submit(self, run: Run, config: dict[str, Any]) -> bool:
+        self.hooks.echo(f"submit {run.job}: stage {run.stage} on {run.nodes} node(s), "
+                        f"{config['schedule']['total_steps']} steps")
+        sub = train.submit(config, run.job, self.c, nodes=run.nodes, prepare_demo_data=True,
+                           on_event=self.hooks.events())
+        if not sub.success:
+            failed = [f"{h.host}: {h.failed_task}: {h.message}" for h in sub.hosts.values() if h.failed_task]
+            run.state, run.error = "not started", "train submit failed: " + ("; ".join(failed) or sub.status)
+        return sub.success
+
+    def wait(self, run: Run, steps: int) -> None:
+        def show(st: JobStatus) -> None:
+            last = st.last_step
+            self.hooks.echo(f"  {run.job}: {st.state}" + (
+                f", step {last['step']}/{steps} loss {last['loss']:.3f} {last['tokens_per_second']:,.0f} tok/s"
+                if last else ""))
+
+        try:
+            st = train.wait_job(run.job, self.c, timeout=self.s.job_timeout, on_status=show)
+            run.state = st.state
+            if st.state != "finished":
+                run.error = f"job ended {st.state} (shardstack train logs {run.job})"
+        except ShardstackError as exc:
+            run.state, run.error = "timeout", str(exc)
+
+    def job(self, run: Run, config: dict[str, Any]) -> Run:
+        t = time.monotonic()
+        if self.submit(run, config):
+            self.wait(run, config["schedule"]["total_steps"])
+            run.records = self.records(run.job)
+            if run.state == "finished" and len(run.records) != config["schedule"]["total_steps"]:
+                run.error = (f"{len(run.records)} step records for {config['schedule']['total_steps']} steps in "
+                             f"{self.run_dir}/{run.job}.jsonl")
+        run.seconds = time.monotonic() - t
+        return run
+
+    def kill_worker(self, job: str, checkpoint_dir: str, after: int, victim: str) -> str | None:
+        """On `victim`: wait for the step-`after` checkpoint, then SIGKILL the job's worker (the torchrun agent's
+        child, not the agent). One ad-hoc command, so the kill lands mid-run whatever the controller's latency."""
+        ckpt = f"{checkpoint_dir}/step_{after:08d}/manifest.json"
+        script = (f"for i in $(seq 1200); do [ -e {ckpt} ] && break; sleep 0.5; done; [ -e {ckpt} ] || exit 3; "
+                  f"agent=$(systemctl show -p MainPID --value {unit(job)}); [ \"$agent\" -gt 0 ] || exit 4; "
+                  "worker=$(pgrep -P \"$agent\"); [ -n \"$worker\" ] || exit 5; "
+                  "kill -KILL $worker && echo \"killed worker $worker (agent $agent)\"")
+        r = run_command(["sh", "-c", script], self.c.path, victim, timeout=900)[victim]
+        if r.success and "killed worker" in r.stdout:
+            return f"{victim}: {r.stdout.strip()}"
+        why = {3: f"no step-{after} checkpoint within 10 min", 4: "the job's unit was not running",
+               5: "the agent had no worker"}.get(r.rc, r.stderr or r.message)
+        self.hooks.echo(f"  the kill on {victim} failed: {why}")
+        return None
+
+    def gpu_samples(self, nodes: list[str], seconds: float) -> dict[str, float | None]:
+        """DCGM's utilisation (mean) and framebuffer use (max) on `nodes` over the last `seconds`, as the
+        Prometheus recording rules define them; None for a series Prometheus does not have."""
+        from shardstack.ops.status import prom_query, sources
+
+        prometheus, _ = sources(self.c)
+        if prometheus is None:
+            return {"utilization": None, "memory": None}
+        sel = "{node=~\"" + "|".join(nodes) + "\"}"
+        window = f"{max(int(seconds), 30)}s"
+        out: dict[str, float | None] = {}
+        for key, q in (("utilization", f"avg(avg_over_time(shardstack:gpu_utilization:ratio{sel}[{window}]))"),
+                       ("memory", f"max(max_over_time(shardstack:gpu_memory_used:ratio{sel}[{window}]))")):
+            try:
+                res = prom_query(prometheus, q)
+            except ShardstackError as exc:
+                self.hooks.echo(f"  Prometheus: {exc}")
+                res = []
+            out[key] = float(res[0]["value"][1]) if res else None
+        return out
+
+
+def run(cluster: Cluster, settings: Settings, thresholds: Thresholds, hooks: Hooks | None = None,
+        result: Acceptance | None = None) -> Acceptance:
+    """The acceptance on `cluster`, recorded in `result` (returned). Unreachable train nodes raise before anything
+    starts; a run that fails fails its item and the rest go on."""
+    hooks = hooks or Hooks()
+    t0 = time.monotonic()
+    result = result or Acceptance(str(cluster.path), settings, thresholds)
+    run_id = time.strftime("%Y%m%dT%H%M%SZ", time.gmtime(result.started))
+    cl = _Cluster(cluster, settings, hooks, run_id)
+    result.run_dir = cl.run_dir
+    cl.reach()
+    top = min(len(cl.nodes), settings.max_nodes or len(cl.nodes))
+
+    def done(item: Item, started: float) -> Item:
+        item.seconds = time.monotonic() - started
+        result.items.append(item)
+        hooks.item(item)
+        return item
+
+    size = "validate's default size" if settings.allreduce_mb is None else f"up to {settings.allreduce_mb:g} MiB"
+    hooks.echo(f"validate (all-reduce, {size}; node facts)")
+    t = time.monotonic()
+    # Only a size that was asked for is passed: validate's own default is the one for the nodes' backend.
+    size_arg = {} if settings.allreduce_mb is None else {"allreduce_mb": settings.allreduce_mb}
+    val, findings = run_validate(cluster, **size_arg, on_event=hooks.events())
+    validate_seconds = time.monotonic() - t
+    result.allreduce = val.data.get("validate_allreduce")
+    result.validate_findings = findings
+    result.validate_gpu = val.data.get("validate_gpu") or {}
+    gpu_nodes = gpu_train_nodes(result.validate_gpu, cl.nodes[:top])
+
+    cl.make_run_dir()
+
+    def cfg(name: str, stage: int, nodes: int, steps: int, interval: int | None = None) -> dict[str, Any]:
+        return job_config(settings, cl.shared, cl.run_dir, name, stage=stage, nodes=nodes, steps=steps,
+                          checkpoint_interval=interval)
+
+    # Partitioning on at the most nodes first: the scaling item's top point and the GPU window too.
+    t = time.monotonic()
+    on = cl.job(Run(f"acc-s3-n{top}", top, 3), cfg(f"acc-s3-n{top}", 3, top, settings.steps))
+    samples = cl.gpu_samples(gpu_nodes, on.seconds) if gpu_nodes else None
+    off = cl.job(Run(f"acc-s0-n{top}", top, 0), cfg(f"acc-s0-n{top}", 0, top, settings.steps))
+    result.runs += [on, off]
+    done(judge_loss(off, on, thresholds.loss_rtol), t)
+
+    t = time.monotonic()
+    scale = [on]
+    for n in range(top - 1, 0, -1):
+        scale.append(cl.job(Run(f"acc-s3-n{n}", n, 3), cfg(f"acc-s3-n{n}", 3, n, settings.steps)))
+    result.runs += scale[1:]
+    item = done(judge_scaling(scale, thresholds.min_scaling_efficiency, thresholds.max_scaling_efficiency), t)
+    item.seconds += on.seconds  # the top point's run is shared with the loss item
+    item.details.append(f"the {top}-node point is the loss item's stage-3 run ({on.seconds:.0f} s, counted in both)")
+
+    t = time.monotonic()
+    bw = judge_bandwidth(result.allreduce, on if top > 1 else None, thresholds.max_comm_fraction)
+    bw.details += [f"validate: {f}" for f in findings if f.startswith(("all-reduce", "backend"))]
+    done(bw, t).seconds += validate_seconds
+
+    peak_mem = max((int(r.get("memory_bytes") or 0) for r in on.records), default=0) or None
+    done(judge_gpu(gpu_nodes, samples, peak_mem, thresholds.min_gpu_utilization), time.monotonic())
+
+    t = time.monotonic()
+    name = "acc-kill"
+    kill = Run(name, top, 3)
+    interval = settings.checkpoint_interval
+    after = 2 * interval
+    if cluster.scheduler != "systemd":
+        item = Item("resume", "a worker killed, the job resumed", "n/a",
+                    "not run: the kill drives the systemd unit; this cluster queues jobs with Slurm",
+                    f"resumes from step ≥ {after}")
+        done(item, t)
+    else:
+        config = cfg(name, 3, top, settings.kill_steps, interval)
+        killed = None
+        if cl.submit(kill, config):
+            killed = cl.kill_worker(name, config["checkpoint"]["dir"], after, cl.nodes[top - 1])
+            cl.wait(kill, settings.kill_steps)
+            kill.records = cl.records(name)
+        kill.seconds = time.monotonic() - t
+        result.runs.append(kill)
+        logged = None
+        if killed:
+            log = "\n".join(train.logs(name, cluster, lines=5000).values())
+            logged = logged_resume_step(log, config["checkpoint"]["dir"])
+        done(judge_resume(kill, killed, settings.kill_steps, thresholds.loss_rtol, after, logged), t)
+
+    result.seconds = time.monotonic() - t0
+    done(judge_time(result.seconds, settings.time_budget), time.monotonic()).seconds = result.seconds
+    return result
