@@ -30,6 +30,16 @@ def _pyplot():
     return plt
 
 
+def _save(plt, fig, ax, path: Path) -> None:
+    """Every plot ends alike: the legend of `ax` (None: placed already), a tight layout, a PNG at 100 dpi, the figure
+    freed."""
+    if ax is not None:
+        ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+
+
 def _cell(text: str) -> str:
     return text.replace("|", "\\|").replace("\n", " ")
 
@@ -44,16 +54,14 @@ def plot_loss(item: Item, path: Path) -> None:
         ax.plot(steps, [losses[s] for s in steps], style, label=label)
     ax.set_ylabel("training loss")
     ax.set_title(f"same job, seed and data on {item.data.get('nodes', '?')} node(s)")
-    ax.legend()
+    ax.legend()  # on the loss panel, not the difference panel below it
     diffs = item.data.get("rel_diff") or {}
     if diffs:
         steps = sorted(diffs)
         dx.semilogy(steps, [max(diffs[s], 1e-12) for s in steps], ".-", color="tab:red")
     dx.set_ylabel("|Δ| / loss (0 at 1e-12)")
     dx.set_xlabel("step")
-    fig.tight_layout()
-    fig.savefig(path, dpi=100)
-    plt.close(fig)
+    _save(plt, fig, None, path)
 
 
 def plot_scaling(item: Item, path: Path) -> None:
@@ -82,10 +90,7 @@ def plot_scaling(item: Item, path: Path) -> None:
     ax.set_ylabel("tokens/s (all ranks)")
     ax.set_ylim(bottom=0)
     ax.set_title("weak scaling, ZeRO stage 3 (labels: efficiency)")
-    ax.legend()
-    fig.tight_layout()
-    fig.savefig(path, dpi=100)
-    plt.close(fig)
+    _save(plt, fig, ax, path)
 
 
 def plot_allreduce(item: Item, path: Path) -> None:
@@ -103,10 +108,7 @@ def plot_allreduce(item: Item, path: Path) -> None:
     ax.set_title(f"all-reduce, {item.data.get('backend')} over {item.data.get('nodes')} node(s)"
                  + ("" if item.data.get("sweep") else ", one size") + ("\n" + two.strip() if two else ""),
                  fontsize="medium")
-    ax.legend()
-    fig.tight_layout()
-    fig.savefig(path, dpi=100)
-    plt.close(fig)
+    _save(plt, fig, ax, path)
 
 
 def plot_resume(item: Item, path: Path) -> None:
@@ -129,10 +131,7 @@ def plot_resume(item: Item, path: Path) -> None:
     ax.set_xlabel("step")
     ax.set_ylabel("training loss")
     ax.set_title("kill and resume")
-    ax.legend()
-    fig.tight_layout()
-    fig.savefig(path, dpi=100)
-    plt.close(fig)
+    _save(plt, fig, ax, path)
 
 
 _PLOTTERS = {"loss": plot_loss, "scaling": plot_scaling, "bandwidth": plot_allreduce, "resume": plot_resume}
