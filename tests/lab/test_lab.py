@@ -14,7 +14,7 @@ import pytest
 import yaml
 from shardstack.errors import ShardstackError
 from shardstack.lab import image, lab
-from shardstack.lab.inventory import group_layout
+from shardstack.lab.inventory import group_layout, omp_threads
 from shardstack.lab.node import is_zombie
 
 pytestmark = pytest.mark.lab
@@ -169,6 +169,11 @@ def test_trixie_node_runs_systemd_257_on_the_unified_hierarchy(tmp_path: Path) -
     finally:
         cli("lab", "down", "--name", name, check=False)
     assert lab.leftovers(name) == []
+
+
+def test_a_lab_node_gets_its_share_of_the_host_cores_as_omp_threads() -> None:
+    assert [omp_threads(n, host_cores=2) for n in (1, 2, 3)] == [2, 1, 1]
+    assert [omp_threads(n, host_cores=16) for n in (1, 3, 4)] == [16, 5, 4]
 
 
 def test_inventory_layout_spreads_cluster_roles() -> None:

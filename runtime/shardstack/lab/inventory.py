@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 import yaml
@@ -28,6 +29,14 @@ def group_layout(names: list[str]) -> dict[str, list[str]]:
     }
 
 
+def omp_threads(nodes: int, host_cores: int | None = None) -> int:
+    """A lab node's share of the host's cores. The nodes are containers on one host, so each sees every host core:
+    the role's default (a node's cores ÷ its workers) would give each node all of them, and OpenMP threads that
+    outnumber the cores they really get spin against each other (a one-worker stage-3 step ~10× slower on the 2-core
+    VM with 2 threads than with 1: bench/RESULTS.md, acceptance)."""
+    return max((host_cores or os.cpu_count() or 1) // max(nodes, 1), 1)
+
+
 def render(lab: LabState) -> dict:
     hosts = {n.name: {"ansible_host": n.ip} for n in lab.nodes}
     children = {g: {"hosts": {h: {} for h in members}} for g, members in group_layout(list(hosts)).items()}
@@ -42,6 +51,7 @@ def render(lab: LabState) -> dict:
                 # The lab has no NFS in the kernel: shared storage is one host directory bind-mounted everywhere.
                 "shared_storage_backend": "bind",
                 "shared_storage_bind_source": "/mnt/lab-shared",
+                "training_runtime_omp_threads": omp_threads(len(hosts)),
             },
             "children": children,
         }
