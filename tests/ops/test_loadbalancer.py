@@ -530,7 +530,8 @@ def _two_backends(tmp_path: Path, **overrides: object) -> Iterator[dict]:
     try:
         with running_haproxy(tmp_path, files, {"a": "127.0.0.2", "b": "127.0.0.3"}, port, **overrides) as running:
             wait_up(running["metrics"], {"a", "b"})
-            yield {**running, "a": a, "b": b, "ep": Endpoint(running["https"], None, files["ca_cert"])}
+            yield {**running, "a": a, "b": b, "ep": Endpoint(running["https"], None, files["ca_cert"]),
+                   "files": files}
     finally:
         for server in (a, b):
             server.shutdown()
@@ -799,3 +800,77 @@ def test_cordon_commands_drain_and_restore_a_server(lb: dict, tmp_path: Path) ->
     assert answer.strip()
     with pytest.raises(ShardstackError, match="HAProxy refused"):
         cordon.check_haproxy_answers({"lb": CommandResult("lb", 0, answer)}, ["lb"], bad)
+
+
+def test_a_replica_joins_and_leaves_the_backend_without_a_reload_or_a_failed_request(tmp_path: Path) -> None:
+    """ops.replicas on the role's HAProxy: an added replica gets no request before its checks pass, then its share;
+    removing it waits for the request it holds, which is answered; steady load meanwhile sees only 200s."""
+    with _two_backends(tmp_path) as lb:
+        _replica_joins_and_leaves(lb, tmp_path)
+
+
+def _replica_joins_and_leaves(lb: dict, tmp_path: Path) -> None:
+    from shardstack.ops import replicas
+
+    sock = tmp_path / "admin.sock"
+    send = replicas.local_socket(str(sock))
+    opts = replicas.ServerOptions(ca_file=str(lb["files"]["ca_cert"]), inter_ms=200, fall=3, rise=2)
+    c = Backend("127.0.0.4", lb["a"].server_address[1], "c", lb["files"]["ca_cert"].parent)
+    c.health = 503  # not ready yet: HAProxy must not send it traffic
+    codes: Counter = Counter()
+    stop, paused, idle = threading.Event(), threading.Event(), threading.Event()
+
+    def steady() -> None:
+        while not stop.wait(0.05):  # ~20 requests a second, under the role's rate limit
+            if not paused.is_set():
+                try:
+                    codes[post(lb)[0]] += 1
+                except OSError as exc:
+                    codes[repr(exc)] += 1
+            idle.set() if paused.is_set() else idle.clear()
+
+    load = threading.Thread(target=steady)
+    load.start()
+    try:
+        with ThreadPoolExecutor(2) as pool:
+            replica = replicas.Replica("c", "127.0.0.4", c.server_address[1], maxconn=8)
+            adding = pool.submit(replicas.add, send, "inference", replica, opts, GATE_CEILING)
+            _until("c registered, its checks failing", lambda: replicas.servers(send, "inference").get("c", {})
+                   .get("status", "").startswith("DOWN"))
+            time.sleep(1.0)  # five check intervals failing: still no request may reach it
+            assert not replicas.checked_up(send, "inference", "c")
+            assert not adding.done() and sum(c.hits.values()) == 0
+            c.health = 200
+            adding.result(timeout=GATE_CEILING)
+            _until("a request on c", lambda: c.hits[200] > 0)
+
+            # Hold one request on c (the others drained meanwhile, so it must land there), then remove c.
+            c.gate = threading.Event()
+            paused.set()  # the steady load's requests must not land on the gated c
+            _until("the steady load paused", idle.is_set)
+            for name in ("a", "b"):
+                _admin(sock, f"set server inference/{name} state drain")
+            held = pool.submit(post, lb)
+            _until("the held request on c", lambda: c.in_flight == 1)
+            for name in ("a", "b"):
+                _admin(sock, f"set server inference/{name} state ready")
+            paused.clear()  # leastconn: one request at a time goes to a or b, which hold none, not to c
+            removing = pool.submit(replicas.remove, send, "inference", "c", GATE_CEILING)
+            _until("c draining", lambda: replicas.servers(send, "inference")["c"]["status"] == "DRAIN")
+            time.sleep(0.5)
+            assert not removing.done()  # c still holds a request
+            c.gate.set()
+            assert held.result(timeout=GATE_CEILING)[0] == 200
+            removing.result(timeout=GATE_CEILING)
+        assert set(replicas.servers(send, "inference")) == {"a", "b"}
+        replicas.remove(send, "inference", "c")  # gone already: nothing to do
+    finally:
+        stop.set()
+        load.join(timeout=GATE_CEILING)
+        c.shutdown()
+        c.server_close()
+    assert set(codes) == {200} and codes[200] > 10, codes
+    with pytest.raises(ShardstackError, match="not a HAProxy name"):
+        replicas.add_command("inference", replicas.Replica("c;x", "127.0.0.4", 1, 1), opts)
+    with pytest.raises(ShardstackError, match="HAProxy refused `del server inference/a`"):
+        replicas._ok(send, "del server inference/a", accepted=("Server deleted.",))  # a is not in maintenance

@@ -118,13 +118,18 @@ def roles_of(node: str, groups: dict[str, list[str]]) -> list[str]:
     return roles
 
 
+def check_name(what: str, name: str) -> None:
+    """Names on a runtime-API line: nothing else can ride along on the socket."""
+    if not _NAME.fullmatch(name):
+        raise ShardstackError(f"{what} name {name!r} is not a HAProxy name ([A-Za-z0-9_.:-])")
+
+
 def haproxy_command(backend: str, server: str, action: str) -> str:
     """The runtime-API line for an action; names are checked so nothing else can ride along on the socket."""
     if action not in HAPROXY_STATE:
         raise ShardstackError(f"unknown action {action!r}", hint=f"one of {', '.join(ACTIONS)}")
-    for what, name in (("backend", backend), ("server", server)):
-        if not _NAME.fullmatch(name):
-            raise ShardstackError(f"{what} name {name!r} is not a HAProxy name ([A-Za-z0-9_.:-])")
+    check_name("backend", backend)
+    check_name("server", server)
     return f"set server {backend}/{server} state {HAPROXY_STATE[action]}"
 
 
