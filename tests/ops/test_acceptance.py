@@ -17,7 +17,7 @@ import pytest
 from PIL import Image
 from shardstack.errors import ShardstackError
 from shardstack.ops import acceptance as acc
-from shardstack.ops import acceptance_report as report
+from shardstack.ops.acceptance import report
 
 DATA = json.loads((Path(__file__).parent / "data" / "acceptance_lab.json").read_text())
 PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"

@@ -14,7 +14,8 @@ from rich.table import Table
 from shardstack.cli.inventory import add_inventory_arg, load_cluster
 from shardstack.cli.output import EXIT_FAILED_HOSTS, EXIT_OK, LiveProgress, console
 from shardstack.errors import ShardstackError
-from shardstack.ops import acceptance, acceptance_report
+from shardstack.ops import acceptance
+from shardstack.ops.acceptance import report
 
 _STYLE = {"pass": "green", "fail": "bold red", "n/a": "yellow"}
 
@@ -67,7 +68,7 @@ def _echo(message: str) -> None:
 
 
 def _item(item: acceptance.Item) -> None:
-    console.print(f"[{_STYLE[item.status]}]{acceptance_report.MARK[item.status]}[/] {item.title} "
+    console.print(f"[{_STYLE[item.status]}]{report.MARK[item.status]}[/] {item.title} "
                   f"({item.seconds:.0f}s): {item.measured}", highlight=False)
 
 
@@ -75,7 +76,7 @@ def verdict_table(result: acceptance.Acceptance) -> Table:
     table = Table(title=f"acceptance: {'passed' if result.passed else 'FAILED'} in {result.seconds / 60:.1f} min")
     for col in ("item", "result", "measured", "threshold", "seconds"):
         table.add_column(col, justify="right" if col == "seconds" else "left")
-    for item, (title, mark, measured, threshold, secs) in zip(result.items, acceptance_report.verdict_rows(result),
+    for item, (title, mark, measured, threshold, secs) in zip(result.items, report.verdict_rows(result),
                                                              strict=True):
         table.add_row(title, f"[{_STYLE[item.status]}]{mark}[/]", measured, threshold, secs)
     return table
@@ -103,11 +104,11 @@ def _acceptance(args: argparse.Namespace) -> int:
     hooks = acceptance.Hooks(echo=_echo, item=_item, events=LiveProgress)
     console.print(f"[bold]acceptance[/] on {cluster.path}: report → {args.out}/acceptance.md", highlight=False)
     try:
-        acceptance.run(cluster, settings, thresholds, hooks, result)
+        acceptance.run_acceptance(cluster, settings, thresholds, hooks, result)
     finally:
         if result.items:  # what ran is reported even when a later step raised
             console.print(verdict_table(result))
-            path = acceptance_report.write(result, args.out)
+            path = report.write(result, args.out)
             console.print(f"report: {path} (plots: {', '.join(sorted(p.name for p in args.out.glob('*.png')))})",
                           highlight=False)
         if args.json:
