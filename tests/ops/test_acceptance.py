@@ -10,6 +10,7 @@ import copy
 import dataclasses
 import json
 import statistics
+import subprocess
 from pathlib import Path
 from typing import Any
 
@@ -225,6 +226,23 @@ def test_resume_point_reads_the_step_going_back() -> None:
     assert acc.logged_resume_step(log, "/mnt/lab-shared/acceptance/T/checkpoints/acc-kill") == 40
     assert acc.logged_resume_step(log, "/mnt/lab-shared/acceptance/U/checkpoints/acc-kill") is None
 
+
+
+def test_the_kill_script_keeps_a_path_and_a_unit_with_spaces_and_semicolons_one_word(tmp_path: Path) -> None:
+    """The script as the node's sh runs it, on a real directory whose name would run `touch` if it were not quoted:
+    the manifest is found (past exit 3), the unit is not running here (exit 4), and nothing else ran."""
+    ckpt = tmp_path / "run a; touch pwned; b" / "acc-kill"
+    (ckpt / "step_00000040").mkdir(parents=True)
+    (ckpt / "step_00000040" / "manifest.json").write_text("{}")
+    script = acc.kill_script("acc; touch pwned-unit; x", str(ckpt), 40, polls=1)
+    assert subprocess.run(["sh", "-n", "-c", script], check=False).returncode == 0
+    proc = subprocess.run(["sh", "-c", script], cwd=tmp_path, capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 4, (proc.returncode, proc.stderr)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["run a; touch pwned; b"]
+    # Before its checkpoint exists: exit 3 once the polls are spent.
+    missing = subprocess.run(["sh", "-c", acc.kill_script("acc-kill", str(ckpt), 60, polls=1)], cwd=tmp_path,
+                             capture_output=True, text=True, timeout=60)
+    assert missing.returncode == 3 and not missing.stderr, (missing.returncode, missing.stderr)
 
 # ---- settings and thresholds ----------------------------------------------------------------------------------------
 

@@ -4,6 +4,7 @@ read back the step records), the worker kill, Prometheus' GPU samples, and the o
 from __future__ import annotations
 
 import json
+import shlex
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -85,6 +86,17 @@ def parse_records(text: str) -> list[dict[str, Any]]:
     return out
 
 
+def kill_script(job: str, checkpoint_dir: str, after: int, polls: int = 1200) -> str:
+    """The `sh -c` script of the kill: wait (`polls` × 0.5 s) for the step-`after` checkpoint's manifest, then
+    SIGKILL the worker of the job's unit. Exit 3: no checkpoint, 4: the unit not running, 5: no worker. The path and
+    the unit come from the inventory and the job's name, so they are quoted: a space or `;` stays part of the word."""
+    ckpt = shlex.quote(f"{checkpoint_dir}/step_{after:08d}/manifest.json")
+    return (f"for i in $(seq {int(polls)}); do [ -e {ckpt} ] && break; sleep 0.5; done; [ -e {ckpt} ] || exit 3; "
+            f"agent=$(systemctl show -p MainPID --value {shlex.quote(unit(job))}); [ \"$agent\" -gt 0 ] || exit 4; "
+            "worker=$(pgrep -P \"$agent\"); [ -n \"$worker\" ] || exit 5; "
+            "kill -KILL $worker && echo \"killed worker $worker (agent $agent)\"")
+
+
 class _Cluster:
     """The acceptance's view of the cluster: its train nodes, the run directory, and one job at a time."""
 
@@ -163,12 +175,8 @@ class _Cluster:
     def kill_worker(self, job: str, checkpoint_dir: str, after: int, victim: str) -> str | None:
         """On `victim`: wait for the step-`after` checkpoint, then SIGKILL the job's worker (the torchrun agent's
         child, not the agent). One ad-hoc command, so the kill lands mid-run whatever the controller's latency."""
-        ckpt = f"{checkpoint_dir}/step_{after:08d}/manifest.json"
-        script = (f"for i in $(seq 1200); do [ -e {ckpt} ] && break; sleep 0.5; done; [ -e {ckpt} ] || exit 3; "
-                  f"agent=$(systemctl show -p MainPID --value {unit(job)}); [ \"$agent\" -gt 0 ] || exit 4; "
-                  "worker=$(pgrep -P \"$agent\"); [ -n \"$worker\" ] || exit 5; "
-                  "kill -KILL $worker && echo \"killed worker $worker (agent $agent)\"")
-        r = run_command(["sh", "-c", script], self.c.path, victim, timeout=900)[victim]
+        r = run_command(["sh", "-c", kill_script(job, checkpoint_dir, after)], self.c.path, victim,
+                        timeout=900)[victim]
         if r.success and "killed worker" in r.stdout:
             return f"{victim}: {r.stdout.strip()}"
         why = {3: f"no step-{after} checkpoint within 10 min", 4: "the job's unit was not running",
