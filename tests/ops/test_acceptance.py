@@ -244,6 +244,23 @@ def test_the_kill_script_keeps_a_path_and_a_unit_with_spaces_and_semicolons_one_
                              capture_output=True, text=True, timeout=60)
     assert missing.returncode == 3 and not missing.stderr, (missing.returncode, missing.stderr)
 
+
+# ---- the run directories --------------------------------------------------------------------------------------------
+
+def test_the_oldest_acceptance_runs_are_pruned_so_keep_remain_with_this_one() -> None:
+    current = acc.run_name(1_800_000_000)
+    assert current == "acceptance-20270115T080000Z"
+    old = [acc.run_name(1_700_000_000 + d * 86_400) for d in range(5)]  # five days' runs, listed out of order
+    names = [old[3], "acceptance-x", old[0], "acc-kill", old[4], "acceptance-2026", old[2], old[1], current]
+    assert acc.runs_to_prune(names, 3, current) == old[:3]  # two older ones kept, this run the third
+    assert acc.runs_to_prune(names, 1, current) == old
+    assert acc.runs_to_prune(names, 6, current) == []
+    assert acc.runs_to_prune([], 3, current) == []
+    with pytest.raises(ShardstackError, match="keep-runs must be ≥ 1"):
+        acc.runs_to_prune(names, 0, current)
+    with pytest.raises(ShardstackError, match="keep-runs must be ≥ 1"):
+        acc.Settings(keep_runs=0)
+
 # ---- settings and thresholds ----------------------------------------------------------------------------------------
 
 @pytest.mark.parametrize(("kwargs", "message"), [

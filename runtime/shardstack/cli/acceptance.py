@@ -30,6 +30,10 @@ def register(sub: argparse._SubParsersAction) -> None:
                    help="report directory: acceptance.md and its PNGs (default ./acceptance)")
     p.add_argument("--json", action="store_true", help="also print the whole result (every run's step records) as "
                                                         "JSON on stdout; progress and tables stay on stderr")
+    p.add_argument("--keep-runs", type=int, default=d.keep_runs, metavar="N",
+                   help=f"acceptance run directories (records, the kill job's checkpoints) kept under "
+                        f"<shared>/checkpoints/, this run's included; older ones are removed before it starts "
+                        f"(default {d.keep_runs})")
     g = p.add_argument_group("sizes of the runs")
     g.add_argument("--steps", type=int, default=d.steps, help=f"steps of each loss/throughput run (default {d.steps})")
     g.add_argument("--kill-steps", type=int, default=d.kill_steps,
@@ -87,7 +91,7 @@ def _acceptance(args: argparse.Namespace) -> int:
         steps=args.steps, kill_steps=args.kill_steps, checkpoint_interval=args.checkpoint_interval,
         batch_per_node=args.batch_per_node, model_size=args.model_size, seed=args.seed, max_nodes=args.max_nodes,
         allreduce_mb=args.allreduce_mb, job_timeout=args.job_timeout,
-        time_budget=None if args.time_budget is None else args.time_budget * 60)
+        time_budget=None if args.time_budget is None else args.time_budget * 60, keep_runs=args.keep_runs)
     thresholds = acceptance.Thresholds(
         loss_rtol=args.loss_rtol, min_scaling_efficiency=args.min_scaling_efficiency,
         max_scaling_efficiency=args.max_scaling_efficiency,

@@ -42,11 +42,19 @@ from shardstack.ops.acceptance.judge import (
     scaling_fit,
     sweep_points,
 )
-from shardstack.ops.acceptance.run import Hooks, job_config, kill_script, parse_records, run_acceptance
+from shardstack.ops.acceptance.run import (
+    Hooks,
+    job_config,
+    kill_script,
+    parse_records,
+    run_acceptance,
+    run_name,
+    runs_to_prune,
+)
 
 __all__ = [
     "Acceptance", "Hooks", "Item", "Run", "Settings", "Status", "Thresholds", "flops_per_token", "gpu_train_nodes",
     "job_config", "judge_bandwidth", "judge_gpu", "judge_loss", "judge_resume", "judge_scaling", "judge_time",
-    "kill_script", "logged_resume_step", "parse_records", "resume_point", "run_acceptance", "scaling_fit",
-    "sweep_points",
+    "kill_script", "logged_resume_step", "parse_records", "resume_point", "run_acceptance", "run_name",
+    "runs_to_prune", "scaling_fit", "sweep_points",
 ]

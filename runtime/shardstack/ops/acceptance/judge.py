@@ -48,7 +48,8 @@ class Thresholds:
 
 @dataclass(frozen=True)
 class Settings:
-    """The runs' sizes: small by default, so the whole acceptance takes minutes on the lab."""
+    """The runs' sizes (small by default, so the whole acceptance takes minutes on the lab) and how many runs' records
+    stay on shared storage."""
 
     steps: int = 50  # optimizer steps of each loss/throughput run
     kill_steps: int = 150  # steps of the kill-and-resume job (long enough that the kill lands mid-run)
@@ -62,9 +63,12 @@ class Settings:
     allreduce_mb: float | None = None  # validate's all-reduce size (its sweep's largest); None: validate's default
     job_timeout: float = 900.0  # seconds one job may take
     time_budget: float | None = None  # seconds the whole acceptance may take (None: reported, not judged)
+    # Acceptance run directories kept on shared storage, this run's included: nothing else prunes them (the artefact
+    # prune leaves checkpoints/ alone), and each holds every run's records and the kill job's checkpoints.
+    keep_runs: int = 3
 
     def __post_init__(self) -> None:
-        for name in ("steps", "kill_steps", "checkpoint_interval", "batch_per_node"):
+        for name in ("steps", "kill_steps", "checkpoint_interval", "batch_per_node", "keep_runs"):
             if getattr(self, name) < 1:
                 raise ShardstackError(f"{name.replace('_', '-')} must be ≥ 1")
         if self.steps < 3:

@@ -4,9 +4,10 @@ read back the step records), the worker kill, Prometheus' GPU samples, and the o
 from __future__ import annotations
 
 import json
+import re
 import shlex
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import Any
 
@@ -33,6 +34,9 @@ from shardstack.ops.runner import RunnerEvent, run_command
 from shardstack.ops.validate import run_validate
 
 _FAILED = 1  # the CLI's EXIT_FAILED_HOSTS (ops does not import cli)
+# The run directory's name under <shared>/checkpoints/: its UTC start, which sorts as text in time order.
+_RUN_TIME = "%Y%m%dT%H%M%SZ"
+_RUN_NAME = re.compile(r"acceptance-\d{8}T\d{6}Z")
 
 
 def _silent(*_: Any) -> None:
@@ -86,6 +90,21 @@ def parse_records(text: str) -> list[dict[str, Any]]:
     return out
 
 
+def run_name(started: float) -> str:
+    """The run directory's name for an acceptance started at `started` (Unix time)."""
+    return "acceptance-" + time.strftime(_RUN_TIME, time.gmtime(started))
+
+
+def runs_to_prune(names: Iterable[str], keep: int, current: str) -> list[str]:
+    """Of the directory names under checkpoints/, the acceptance runs to remove before run `current` starts so that
+    `keep` remain with it, oldest first. Only names of this module's own form are candidates (a job named
+    "acceptance-x" is not an acceptance run), and never `current` itself."""
+    if keep < 1:
+        raise ShardstackError(f"keep-runs must be ≥ 1, not {keep}")
+    runs = sorted({n for n in names if _RUN_NAME.fullmatch(n) and n != current})
+    return runs[:max(len(runs) - (keep - 1), 0)]
+
+
 def kill_script(job: str, checkpoint_dir: str, after: int, polls: int = 1200) -> str:
     """The `sh -c` script of the kill: wait (`polls` × 0.5 s) for the step-`after` checkpoint's manifest, then
     SIGKILL the worker of the job's unit. Exit 3: no checkpoint, 4: the unit not running, 5: no worker. The path and
@@ -100,7 +119,7 @@ def kill_script(job: str, checkpoint_dir: str, after: int, polls: int = 1200) ->
 class _Cluster:
     """The acceptance's view of the cluster: its train nodes, the run directory, and one job at a time."""
 
-    def __init__(self, cluster: Cluster, settings: Settings, hooks: Hooks, run_id: str) -> None:
+    def __init__(self, cluster: Cluster, settings: Settings, hooks: Hooks, run_name: str) -> None:
         self.c, self.s, self.hooks = cluster, settings, hooks
         excluded = set(cordon.cordoned(cluster, "train"))
         self.nodes = [h for h in cluster.group(TRAIN_GROUP) if h not in excluded]
@@ -110,8 +129,11 @@ class _Cluster:
         self.head = self.nodes[0]
         self.shared = train.job_shared_dir(cluster)
         # Under checkpoints/: the directory the roles make for the job account's output (the shared directory's
-        # root is not the job account's). The prune policy leaves it alone: no step_N directly inside it.
-        self.run_dir = f"{self.shared}/checkpoints/acceptance-{run_id}"
+        # root is not the job account's). The artefact prune leaves it alone (no step_N directly inside it);
+        # prune_runs keeps the newest `keep_runs` of these.
+        self.runs_dir = f"{self.shared}/checkpoints"
+        self.run_name = run_name
+        self.run_dir = f"{self.runs_dir}/{run_name}"
 
     def reach(self) -> None:
         """Every train node answers, before anything is started: otherwise one clear error, not a failed item."""
@@ -122,6 +144,30 @@ class _Cluster:
             raise ShardstackError("cannot reach train node(s): " + "; ".join(f"{h}: {m}" for h, m in
                                                                              sorted(down.items())),
                                   hint=f"shardstack check -i {self.c.path}", exit_code=_FAILED)
+
+    def prune_runs(self, keep: int) -> list[str]:
+        """Remove the oldest acceptance run directories so that `keep` remain with this run's; say which. Housekeeping
+        only: a listing or removal that fails is said and the acceptance goes on. argv, no shell, so the paths reach
+        find and rm as single words; as the job account, which made them (root may be squashed on shared storage)."""
+        as_job = ["runuser", "-u", self.c.job_account, "--"]
+        ls = run_command([*as_job, "find", self.runs_dir, "-mindepth", "1", "-maxdepth", "1", "-type", "d",
+                          "-name", "acceptance-*", "-printf", "%f\\n"], self.c.path, self.head)[self.head]
+        if not ls.success:
+            self.hooks.echo(f"old acceptance runs not pruned: cannot list {self.runs_dir} on {self.head}: "
+                            f"{(ls.stderr or ls.message).strip()}")
+            return []
+        old = runs_to_prune(ls.stdout.splitlines(), keep, self.run_name)
+        if not old:
+            return []
+        rm = run_command([*as_job, "rm", "-rf", "--", *(f"{self.runs_dir}/{n}" for n in old)], self.c.path,
+                         self.head, timeout=600)[self.head]
+        if not rm.success:
+            self.hooks.echo(f"old acceptance runs not all removed from {self.runs_dir}: "
+                            f"{(rm.stderr or rm.message).strip()}")
+            return []
+        self.hooks.echo(f"removed {len(old)} old acceptance run(s) from {self.runs_dir} (keeping {keep} with this "
+                        f"one): {', '.join(old)}")
+        return old
 
     def make_run_dir(self) -> None:
         # The jobs run as the job account: it owns the directory their records and checkpoints go to.
@@ -213,10 +259,10 @@ def run_acceptance(cluster: Cluster, settings: Settings, thresholds: Thresholds,
     hooks = hooks or Hooks()
     t0 = time.monotonic()
     result = result or Acceptance(str(cluster.path), settings, thresholds)
-    run_id = time.strftime("%Y%m%dT%H%M%SZ", time.gmtime(result.started))
-    cl = _Cluster(cluster, settings, hooks, run_id)
+    cl = _Cluster(cluster, settings, hooks, run_name(result.started))
     result.run_dir = cl.run_dir
     cl.reach()
+    cl.prune_runs(settings.keep_runs)
     top = min(len(cl.nodes), settings.max_nodes or len(cl.nodes))
 
     def done(item: Item, started: float) -> Item:
