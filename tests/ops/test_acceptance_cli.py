@@ -57,6 +57,7 @@ def test_an_unreachable_cluster_stops_before_anything_runs(tmp_path: Path) -> No
     (["--min-scaling-efficiency", "1.5"], "threshold min_scaling_efficiency is a fraction"),
     (["--loss-rtol", "0"], "threshold loss_rtol must be a positive number"),
     (["--model-size", "huge"], "--model-size: "),
+    (["--keep-runs", "0"], "keep-runs must be ≥ 1"),
 ])
 def test_bad_sizes_and_thresholds_are_refused_before_the_cluster_is_asked(args: list[str], message: str,
                                                                         tmp_path: Path) -> None:

@@ -14,7 +14,8 @@ from rich.table import Table
 from shardstack.cli.inventory import add_inventory_arg, load_cluster
 from shardstack.cli.output import EXIT_FAILED_HOSTS, EXIT_OK, LiveProgress, console
 from shardstack.errors import ShardstackError
-from shardstack.ops import acceptance, acceptance_report
+from shardstack.ops import acceptance
+from shardstack.ops.acceptance import report
 
 _STYLE = {"pass": "green", "fail": "bold red", "n/a": "yellow"}
 
@@ -29,6 +30,10 @@ def register(sub: argparse._SubParsersAction) -> None:
                    help="report directory: acceptance.md and its PNGs (default ./acceptance)")
     p.add_argument("--json", action="store_true", help="also print the whole result (every run's step records) as "
                                                         "JSON on stdout; progress and tables stay on stderr")
+    p.add_argument("--keep-runs", type=int, default=d.keep_runs, metavar="N",
+                   help=f"acceptance run directories (records, the kill job's checkpoints) kept under "
+                        f"<shared>/checkpoints/, this run's included; older ones are removed before it starts "
+                        f"(default {d.keep_runs})")
     g = p.add_argument_group("sizes of the runs")
     g.add_argument("--steps", type=int, default=d.steps, help=f"steps of each loss/throughput run (default {d.steps})")
     g.add_argument("--kill-steps", type=int, default=d.kill_steps,
@@ -67,7 +72,7 @@ def _echo(message: str) -> None:
 
 
 def _item(item: acceptance.Item) -> None:
-    console.print(f"[{_STYLE[item.status]}]{acceptance_report.MARK[item.status]}[/] {item.title} "
+    console.print(f"[{_STYLE[item.status]}]{report.MARK[item.status]}[/] {item.title} "
                   f"({item.seconds:.0f}s): {item.measured}", highlight=False)
 
 
@@ -75,7 +80,7 @@ def verdict_table(result: acceptance.Acceptance) -> Table:
     table = Table(title=f"acceptance: {'passed' if result.passed else 'FAILED'} in {result.seconds / 60:.1f} min")
     for col in ("item", "result", "measured", "threshold", "seconds"):
         table.add_column(col, justify="right" if col == "seconds" else "left")
-    for item, (title, mark, measured, threshold, secs) in zip(result.items, acceptance_report.verdict_rows(result),
+    for item, (title, mark, measured, threshold, secs) in zip(result.items, report.verdict_rows(result),
                                                              strict=True):
         table.add_row(title, f"[{_STYLE[item.status]}]{mark}[/]", measured, threshold, secs)
     return table
@@ -86,7 +91,7 @@ def _acceptance(args: argparse.Namespace) -> int:
         steps=args.steps, kill_steps=args.kill_steps, checkpoint_interval=args.checkpoint_interval,
         batch_per_node=args.batch_per_node, model_size=args.model_size, seed=args.seed, max_nodes=args.max_nodes,
         allreduce_mb=args.allreduce_mb, job_timeout=args.job_timeout,
-        time_budget=None if args.time_budget is None else args.time_budget * 60)
+        time_budget=None if args.time_budget is None else args.time_budget * 60, keep_runs=args.keep_runs)
     thresholds = acceptance.Thresholds(
         loss_rtol=args.loss_rtol, min_scaling_efficiency=args.min_scaling_efficiency,
         max_scaling_efficiency=args.max_scaling_efficiency,
@@ -103,11 +108,11 @@ def _acceptance(args: argparse.Namespace) -> int:
     hooks = acceptance.Hooks(echo=_echo, item=_item, events=LiveProgress)
     console.print(f"[bold]acceptance[/] on {cluster.path}: report → {args.out}/acceptance.md", highlight=False)
     try:
-        acceptance.run(cluster, settings, thresholds, hooks, result)
+        acceptance.run_acceptance(cluster, settings, thresholds, hooks, result)
     finally:
         if result.items:  # what ran is reported even when a later step raised
             console.print(verdict_table(result))
-            path = acceptance_report.write(result, args.out)
+            path = report.write(result, args.out)
             console.print(f"report: {path} (plots: {', '.join(sorted(p.name for p in args.out.glob('*.png')))})",
                           highlight=False)
         if args.json:

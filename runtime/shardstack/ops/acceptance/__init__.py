@@ -1,0 +1,60 @@
+"""`shardstack acceptance`: the deployment guides' acceptance on a deployed cluster, measured with the cluster's own
+verbs and judged against stated thresholds.
+
+The runs are ordinary jobs (`train.submit`, `train.wait_job`) of a small model on the shipped corpus, each writing
+the trainer's per-step JSON records (`metrics.json_log`, one line per step) to a directory of this acceptance on
+shared storage (`<shared>/checkpoints/acceptance-<UTC time>/`), which is where every figure here comes
+from:
+
+- loss: the same job, seed and data at the largest node count with ZeRO stage 0 (partitioning off) and stage 3 (on);
+  the per-step losses must agree within `loss_rtol`;
+- scaling: stage 3 at 1 … N train nodes with a fixed batch per node (weak scaling), the median tokens/s of each run;
+  efficiency at N = tps(N) / (N · tps(1)) against `min_scaling_efficiency`, with the least-squares slope;
+- bandwidth: `shardstack validate`'s all-reduce (its `sweep` of sizes when it has one, else its single size), and
+  the time the model's gradients take at that bus bandwidth as a fraction of the N-node step (`max_comm_fraction`);
+- GPU: DCGM's utilisation and memory in Prometheus over the N-node run, where the train nodes have NVIDIA GPUs;
+  n/a on CPU nodes (no figure is made up);
+- kill and resume: a worker of a running job SIGKILLed after its first checkpoints; the job must resume from a
+  checkpoint (not step 0), finish, and repeat the steps it re-runs with the same losses;
+- the seconds of each item and of the whole.
+
+judge.py holds the records and the verdicts (pure), run.py the running on a cluster; what is shown while it runs is
+the caller's (`Hooks`); the report's Markdown and plots are report.py's (matplotlib imported there only).
+"""
+
+from shardstack.ops.acceptance.judge import (
+    Acceptance,
+    Item,
+    Run,
+    Settings,
+    Status,
+    Thresholds,
+    flops_per_token,
+    gpu_train_nodes,
+    judge_bandwidth,
+    judge_gpu,
+    judge_loss,
+    judge_resume,
+    judge_scaling,
+    judge_time,
+    logged_resume_step,
+    resume_point,
+    scaling_fit,
+    sweep_points,
+)
+from shardstack.ops.acceptance.run import (
+    Hooks,
+    job_config,
+    kill_script,
+    parse_records,
+    run_acceptance,
+    run_name,
+    runs_to_prune,
+)
+
+__all__ = [
+    "Acceptance", "Hooks", "Item", "Run", "Settings", "Status", "Thresholds", "flops_per_token", "gpu_train_nodes",
+    "job_config", "judge_bandwidth", "judge_gpu", "judge_loss", "judge_resume", "judge_scaling", "judge_time",
+    "kill_script", "logged_resume_step", "parse_records", "resume_point", "run_acceptance", "run_name",
+    "runs_to_prune", "scaling_fit", "sweep_points",
+]
