@@ -73,11 +73,22 @@ class Case:
         return re.sub(r"@[^.]+\.", "@.", self.unit)
 
 
+# A two-node pipeline-parallel replica (inference_service_pipeline_parallel); n1 is its head.
+PIPELINE: dict[str, Any] = {"inference_service_engine": "vllm", "inference_service_pipeline_parallel": 2,
+                            "inference_service_replica_group": "replica", "groups": {"replica": ["n1", "n2"]},
+                            "inventory_hostname": "n1", "hostvars": {"n1": {}, "n2": {}}}
+
 CASES = [
     Case("inference service", "shardstack-inference.service", 2.0, "inference_service",
          template="shardstack-inference.service.j2"),
     Case("inference service (vLLM)", "shardstack-inference.service", 2.0, "inference_service",
          template="shardstack-inference.service.j2", variables={"inference_service_engine": "vllm"}),
+    Case("inference service (vLLM, pipeline head)", "shardstack-inference.service", 2.0, "inference_service",
+         template="shardstack-inference.service.j2", variables=PIPELINE),
+    Case("Ray head (vLLM pipeline)", "shardstack-ray.service", 2.0, "inference_service",
+         template="shardstack-ray.service.j2", variables=PIPELINE),
+    Case("Ray worker (vLLM pipeline)", "shardstack-ray.service", 2.0, "inference_service",
+         template="shardstack-ray.service.j2", variables={**PIPELINE, "inventory_hostname": "n2"}),
     Case("training job", "shardstack-train@job.service", 3.0, "training_runtime",
          template="shardstack-train@.service.j2"),
     Case("dcgm-exporter", "dcgm-exporter.service", 3.0, "dcgm_exporter", template="dcgm-exporter.service.j2"),

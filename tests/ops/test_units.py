@@ -171,3 +171,87 @@ def test_units_pass_systemd_analyze_verify(name: str, tmp_path: Path, inference_
     # The venv's executables exist only on a node; anything else systemd complains about is a bug.
     problems = [line for line in proc.stderr.splitlines() if line.strip() and "is not executable" not in line]
     assert not problems, proc.stderr
+
+
+PP = {"inference_service_pipeline_parallel": 2,
+      "inference_service_replica_group": "replica_a", "groups": {"replica_a": ["n3", "n4"]},
+      "hostvars": {"n3": {"ansible_host": "10.0.0.3"}, "n4": {"ansible_host": "10.0.0.4"}},
+      "shardstack_hardware": {"nvidia_gpu_functions": [f"0000:{i:02x}:00.0" for i in range(8)]}}
+
+
+def ray_unit(host: str, **variables: object) -> str:
+    return render("inference_service", "shardstack-ray.service.j2", inventory_hostname=host,
+                  ansible_host=PP["hostvars"][host]["ansible_host"], inference_service_engine="vllm",
+                  **{**PP, **variables})
+
+
+def test_pipeline_parallel_runs_vllm_on_the_head_over_the_groups_ray_cluster() -> None:
+    """The head's server: `--pipeline-parallel 2` (vllm_argv's --pipeline-parallel-size and the Ray backend) with
+    the node's 8 GPUs as each stage's tensor parallel, staging the export where the workers stage theirs, bound to
+    the head's Ray unit, and Ray's address in its environment."""
+    unit = vllm_unit(**PP)
+    args = build_parser(exec_argv(unit)[1:]).parse_args(exec_argv(unit)[1:])
+    assert (args.engine, args.pipeline_parallel, args.tensor_parallel) == ("vllm", 2, 8)
+    assert str(args.stage_dir) == "/var/lib/shardstack-inference" and str(args.key_file) == "%d/signing-key"
+    cp = unit_sections(unit)
+    assert {cp["Unit"][k] for k in ("Requires", "After", "PartOf")} >= {"shardstack-ray.service"}
+    assert "RAY_ADDRESS=10.0.0.3:6379" in unit and cp["Service"]["ReadWritePaths"] == "%t/shardstack-ray"
+    assert cp["Service"]["StateDirectory"] == "shardstack-inference"
+    # Without pipeline parallel nothing of it is there.
+    plain = vllm_unit()
+    assert "shardstack-ray" not in plain and "--pipeline-parallel" not in plain and "RAY_ADDRESS" not in plain
+
+
+def _ray_argv(unit: str) -> dict[str, str | bool]:
+    argv = exec_argv(unit)
+    assert argv[:3] == ["/opt/shardstack/vllm-venv/bin/ray", "start", "--block"]
+    out: dict[str, str | bool] = {}
+    rest = argv[3:]
+    while rest:
+        flag = rest.pop(0)
+        if "=" in flag:
+            flag, _, value = flag.partition("=")
+            out[flag] = value
+        elif rest and not rest[0].startswith("--"):
+            out[flag] = rest.pop(0)
+        else:
+            out[flag] = True
+    return out
+
+
+def test_ray_head_and_worker_units_of_a_replica_group() -> None:
+    head, worker = ray_unit("n3"), ray_unit("n4")
+    h, w = _ray_argv(head), _ray_argv(worker)
+    common = {"--node-manager-port": "6380", "--object-manager-port": "6381", "--min-worker-port": "10002",
+              "--max-worker-port": "10101", "--include-dashboard": "false", "--disable-usage-stats": True}
+    assert h == {"--head": True, "--port": "6379", "--temp-dir": "%t/shardstack-ray", "--node-ip-address": "10.0.0.3",
+                 **common}
+    assert w == {"--address": "10.0.0.3:6379", "--node-ip-address": "10.0.0.4", **common}
+    hs, ws = unit_sections(head)["Service"], unit_sections(worker)["Service"]
+    assert hs["RuntimeDirectory"] == "shardstack-ray" and "RuntimeDirectory" not in ws
+    # A worker node verifies and stages the export where the head's server tells its workers to load it.
+    pre = shlex.split(ws["ExecStartPre"])
+    stage = build_parser(pre[1:]).parse_args(pre[1:])
+    assert (stage.serve_command, str(stage.model), str(stage.key_file), str(stage.into)) == (
+        "stage", "/srv/shardstack/exports/current", "%d/signing-key", "/var/lib/shardstack-inference")
+    assert "ExecStartPre" not in hs and "LoadCredential" not in hs
+    assert "ExecStartPre" not in unit_sections(ray_unit("n4", inference_service_allow_unsigned=True))["Service"]
+    # The sandbox of the inference unit, non-root, restarted whenever it exits.
+    inference = unit_sections(vllm_unit(**PP))["Service"]
+    sandbox = ("NoNewPrivileges", "ProtectSystem", "ProtectHome", "PrivateTmp", "PrivateUsers", "ProtectProc",
+               "RestrictNamespaces", "SystemCallFilter", "CapabilityBoundingSet", "UMask", "User", "Group")
+    assert {k: hs[k] for k in sandbox} == {k: ws[k] for k in sandbox} == {k: inference[k] for k in sandbox}
+    assert hs["Restart"] == "always" and "PrivateDevices" not in hs and "ProtectClock" not in hs
+    moved = _ray_argv(ray_unit("n4", inference_service_ray_port=7000, inference_service_ray_worker_ports="20000-20015"))
+    assert (moved["--address"], moved["--min-worker-port"], moved["--max-worker-port"]) == ("10.0.0.3:7000", "20000",
+                                                                                           "20015")
+
+
+@pytest.mark.skipif(not shutil.which("systemd-analyze"), reason="systemd-analyze not installed")
+@pytest.mark.parametrize("host", ["n3", "n4"])
+def test_ray_units_pass_systemd_analyze_verify(host: str, tmp_path: Path) -> None:
+    path = tmp_path / "shardstack-ray.service"
+    path.write_text(ray_unit(host))
+    proc = subprocess.run(["systemd-analyze", "verify", "--man=no", str(path)], capture_output=True, text=True)
+    problems = [line for line in proc.stderr.splitlines() if line.strip() and "is not executable" not in line]
+    assert not problems, proc.stderr

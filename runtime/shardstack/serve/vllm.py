@@ -56,6 +56,9 @@ class VllmOptions:
     drain_seconds: float
     tls_cert: Path | None = None  # PEM; with tls_key: HTTPS
     tls_key: Path | None = None
+    # Nodes the replica spans: pipeline stages, each a node's tensor-parallel GPUs, on the Ray cluster the unit's
+    # RAY_ADDRESS names (docs/serving.md, "Pipeline parallel across nodes").
+    pipeline_parallel: int = 1
 
 
 def vllm_argv(o: VllmOptions) -> list[str]:
@@ -69,6 +72,8 @@ def vllm_argv(o: VllmOptions) -> list[str]:
             "--middleware", f"{__name__}.BearerAuth",
             # A line per request is ours to decide (vLLM logs them all); not one per health check and scrape.
             "--disable-access-log-for-endpoints", "/health,/metrics,/ping"]
+    if o.pipeline_parallel > 1:  # vLLM's workers on the Ray cluster; the head's own node is one of its stages
+        argv += ["--pipeline-parallel-size", str(o.pipeline_parallel), "--distributed-executor-backend", "ray"]
     if o.context is not None:
         argv += ["--max-model-len", str(o.context)]
     if o.tls_cert is not None and o.tls_key is not None:  # paths only: the key stays in its file
@@ -191,7 +196,8 @@ def run(args: argparse.Namespace, key: SigningKey | None, token: str | None) -> 
     staged = None
     if key is not None:
         try:
-            staged = stage_verified(args.model, key, args.stage_dir)
+            # Across nodes the copy's path is the one every worker node staged (`serve stage`, the same name).
+            staged = stage_verified(args.model, key, args.stage_dir, shared_name=args.pipeline_parallel > 1)
         except ShardstackError as exc:  # the same one journal line as the built-in engine's refusal
             log.error("cannot serve: %s", str(exc).replace("\n  hint:", "; hint:"))
             return 1
@@ -202,7 +208,7 @@ def run(args: argparse.Namespace, key: SigningKey | None, token: str | None) -> 
                           max_concurrency=args.max_concurrency, context=args.context,
                           max_prefill_tokens=args.max_prefill_tokens, tensor_parallel=args.tensor_parallel,
                           dtype=args.dtype, drain_seconds=args.drain_seconds, tls_cert=args.tls_cert,
-                          tls_key=args.tls_key)
+                          tls_key=args.tls_key, pipeline_parallel=args.pipeline_parallel)
     os.environ.update(OFFLINE)
     if not _has_cuda():
         os.environ.update(cpu_environment(args.threads, args.kv_cache_gib, os.sched_getaffinity(0)))
