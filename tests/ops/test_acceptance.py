@@ -17,8 +17,9 @@ from typing import Any
 import pytest
 from PIL import Image
 from shardstack.errors import ShardstackError
-from shardstack.ops import acceptance as acc
+from shardstack.ops.acceptance import judge as acc
 from shardstack.ops.acceptance import report
+from shardstack.ops.acceptance import run as acc_run
 
 DATA = json.loads((Path(__file__).parent / "data" / "acceptance_lab.json").read_text())
 PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
@@ -234,13 +235,13 @@ def test_the_kill_script_keeps_a_path_and_a_unit_with_spaces_and_semicolons_one_
     ckpt = tmp_path / "run a; touch pwned; b" / "acc-kill"
     (ckpt / "step_00000040").mkdir(parents=True)
     (ckpt / "step_00000040" / "manifest.json").write_text("{}")
-    script = acc.kill_script("acc; touch pwned-unit; x", str(ckpt), 40, polls=1)
+    script = acc_run.kill_script("acc; touch pwned-unit; x", str(ckpt), 40, polls=1)
     assert subprocess.run(["sh", "-n", "-c", script], check=False).returncode == 0
     proc = subprocess.run(["sh", "-c", script], cwd=tmp_path, capture_output=True, text=True, timeout=60)
     assert proc.returncode == 4, (proc.returncode, proc.stderr)
     assert sorted(p.name for p in tmp_path.iterdir()) == ["run a; touch pwned; b"]
     # Before its checkpoint exists: exit 3 once the polls are spent.
-    missing = subprocess.run(["sh", "-c", acc.kill_script("acc-kill", str(ckpt), 60, polls=1)], cwd=tmp_path,
+    missing = subprocess.run(["sh", "-c", acc_run.kill_script("acc-kill", str(ckpt), 60, polls=1)], cwd=tmp_path,
                              capture_output=True, text=True, timeout=60)
     assert missing.returncode == 3 and not missing.stderr, (missing.returncode, missing.stderr)
 
@@ -248,16 +249,16 @@ def test_the_kill_script_keeps_a_path_and_a_unit_with_spaces_and_semicolons_one_
 # ---- the run directories --------------------------------------------------------------------------------------------
 
 def test_the_oldest_acceptance_runs_are_pruned_so_keep_remain_with_this_one() -> None:
-    current = acc.run_name(1_800_000_000)
+    current = acc_run.run_name(1_800_000_000)
     assert current == "acceptance-20270115T080000Z"
-    old = [acc.run_name(1_700_000_000 + d * 86_400) for d in range(5)]  # five days' runs, listed out of order
+    old = [acc_run.run_name(1_700_000_000 + d * 86_400) for d in range(5)]  # five days' runs, listed out of order
     names = [old[3], "acceptance-x", old[0], "acc-kill", old[4], "acceptance-2026", old[2], old[1], current]
-    assert acc.runs_to_prune(names, 3, current) == old[:3]  # two older ones kept, this run the third
-    assert acc.runs_to_prune(names, 1, current) == old
-    assert acc.runs_to_prune(names, 6, current) == []
-    assert acc.runs_to_prune([], 3, current) == []
+    assert acc_run.runs_to_prune(names, 3, current) == old[:3]  # two older ones kept, this run the third
+    assert acc_run.runs_to_prune(names, 1, current) == old
+    assert acc_run.runs_to_prune(names, 6, current) == []
+    assert acc_run.runs_to_prune([], 3, current) == []
     with pytest.raises(ShardstackError, match="keep-runs must be ≥ 1"):
-        acc.runs_to_prune(names, 0, current)
+        acc_run.runs_to_prune(names, 0, current)
     with pytest.raises(ShardstackError, match="keep-runs must be ≥ 1"):
         acc.Settings(keep_runs=0)
 

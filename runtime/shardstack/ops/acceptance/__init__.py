@@ -18,43 +18,7 @@ from:
   checkpoint (not step 0), finish, and repeat the steps it re-runs with the same losses;
 - the seconds of each item and of the whole.
 
-judge.py holds the records and the verdicts (pure), run.py the running on a cluster; what is shown while it runs is
-the caller's (`Hooks`); the report's Markdown and plots are report.py's (matplotlib imported there only).
+judge.py holds the records and the verdicts (pure), run.py the running on a cluster (`run_acceptance`); what is
+shown while it runs is the caller's (`Hooks`); the report's Markdown and plots are report.py's (matplotlib imported
+there only). Callers import from those modules; this package re-exports nothing.
 """
-
-from shardstack.ops.acceptance.judge import (
-    Acceptance,
-    Item,
-    Run,
-    Settings,
-    Status,
-    Thresholds,
-    flops_per_token,
-    gpu_train_nodes,
-    judge_bandwidth,
-    judge_gpu,
-    judge_loss,
-    judge_resume,
-    judge_scaling,
-    judge_time,
-    logged_resume_step,
-    resume_point,
-    scaling_fit,
-    sweep_points,
-)
-from shardstack.ops.acceptance.run import (
-    Hooks,
-    job_config,
-    kill_script,
-    parse_records,
-    run_acceptance,
-    run_name,
-    runs_to_prune,
-)
-
-__all__ = [
-    "Acceptance", "Hooks", "Item", "Run", "Settings", "Status", "Thresholds", "flops_per_token", "gpu_train_nodes",
-    "job_config", "judge_bandwidth", "judge_gpu", "judge_loss", "judge_resume", "judge_scaling", "judge_time",
-    "kill_script", "logged_resume_step", "parse_records", "resume_point", "run_acceptance", "run_name",
-    "runs_to_prune", "scaling_fit", "sweep_points",
-]
