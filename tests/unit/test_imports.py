@@ -124,7 +124,7 @@ def test_every_layer_imports_only_what_it_may() -> None:
 
 def test_the_layers_are_the_packages_that_exist() -> None:
     found = {p.name for p in PACKAGE.iterdir() if p.is_dir() and (p / "__init__.py").is_file()}
-    assert found == {"cli", "model", "train", "serve", "ops", "lab", "node", "build"}
+    assert found == {"cli", "model", "train", "serve", "ops", "lab", "node", "build", "accel"}
 
 
 @pytest.fixture
