@@ -18,19 +18,19 @@ import pytest
 from PIL import Image
 from shardstack.errors import ShardstackError
 from shardstack.ops.acceptance import judge as acc
-from shardstack.ops.acceptance import report
+from shardstack.ops.acceptance import records, report
 from shardstack.ops.acceptance import run as acc_run
 
 DATA = json.loads((Path(__file__).parent / "data" / "acceptance_lab.json").read_text())
 PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
 
 
-def _runs() -> dict[str, acc.Run]:
-    return {r["job"]: acc.Run(r["job"], r["nodes"], r["stage"], r["seconds"], r["state"], r["records"], r["error"])
+def _runs() -> dict[str, records.Run]:
+    return {r["job"]: records.Run(r["job"], r["nodes"], r["stage"], r["seconds"], r["state"], r["records"], r["error"])
             for r in copy.deepcopy(DATA["runs"])}
 
 
-def _top(runs: dict[str, acc.Run]) -> int:
+def _top(runs: dict[str, records.Run]) -> int:
     return max(r.nodes for r in runs.values())
 
 
@@ -87,8 +87,8 @@ def test_scaling_efficiency_and_slope_from_the_lab_runs() -> None:
     high = acc.judge_scaling(scale, min_efficiency=eff * 0.5, max_efficiency=eff * 0.99)
     assert high.status == "fail" and any("more than linear" in d for d in high.details), high.details
     # The recorded lab run: its one-node baseline was slower per node than the two-node run (bench/RESULTS.md).
-    default = acc.judge_scaling(scale, acc.Thresholds().min_scaling_efficiency)
-    assert default.status == ("fail" if eff > acc.Thresholds().max_scaling_efficiency else "pass")
+    default = acc.judge_scaling(scale, records.Thresholds().min_scaling_efficiency)
+    assert default.status == ("fail" if eff > records.Thresholds().max_scaling_efficiency else "pass")
     # Two points: the least-squares slope is the difference of the two.
     if top == 2:
         assert item.data["slope"] == pytest.approx(median[2] - median[1])
@@ -189,7 +189,7 @@ def test_gpu_nodes_are_judged_on_dcgm_and_never_pass_without_samples() -> None:
 
 def test_the_lab_kill_resumed_from_a_checkpoint_and_repeated_its_losses() -> None:
     kill = _runs()["acc-kill"]
-    s = acc.Settings(**DATA["settings"])
+    s = records.Settings(**DATA["settings"])
     frm = acc.resume_point(kill.records)
     killed = DATA["killed"]
     item = acc.judge_resume(kill, killed, s.kill_steps, 0.01, 2 * s.checkpoint_interval, DATA["logged_resume"])
@@ -260,7 +260,7 @@ def test_the_oldest_acceptance_runs_are_pruned_so_keep_remain_with_this_one() ->
     with pytest.raises(ShardstackError, match="keep-runs must be ≥ 1"):
         acc_run.runs_to_prune(names, 0, current)
     with pytest.raises(ShardstackError, match="keep-runs must be ≥ 1"):
-        acc.Settings(keep_runs=0)
+        records.Settings(keep_runs=0)
 
 # ---- settings and thresholds ----------------------------------------------------------------------------------------
 
@@ -272,7 +272,7 @@ def test_the_oldest_acceptance_runs_are_pruned_so_keep_remain_with_this_one() ->
 ])
 def test_thresholds_are_checked(kwargs: dict[str, float], message: str) -> None:
     with pytest.raises(ShardstackError, match=message):
-        acc.Thresholds(**kwargs)
+        records.Thresholds(**kwargs)
 
 
 def test_time_is_judged_only_against_a_budget() -> None:
@@ -283,14 +283,15 @@ def test_time_is_judged_only_against_a_budget() -> None:
 
 # ---- the report -----------------------------------------------------------------------------------------------------
 
-def _acceptance(sweep: bool) -> acc.Acceptance:
+def _acceptance(sweep: bool) -> records.Acceptance:
     runs = _runs()
     top = _top(runs)
-    s, t = acc.Settings(**DATA["settings"]), acc.Thresholds()
+    s, t = records.Settings(**DATA["settings"]), records.Thresholds()
     ar = {**DATA["allreduce"], "sweep": DATA["sweep"]} if sweep else DATA["allreduce"]
     on = runs[f"acc-s3-n{top}"]
-    res = acc.Acceptance("/tmp/acc/hosts.yml", s, t, started=1_764_800_000.0, seconds=512.0, runs=list(runs.values()),
-                         allreduce=ar, run_dir="/mnt/lab-shared/acceptance/20251203T220000Z")
+    res = records.Acceptance("/tmp/acc/hosts.yml", s, t, started=1_764_800_000.0, seconds=512.0,
+                             runs=list(runs.values()), allreduce=ar,
+                             run_dir="/mnt/lab-shared/acceptance/20251203T220000Z")
     res.items = [
         acc.judge_loss(runs[f"acc-s0-n{top}"], on, t.loss_rtol),
         acc.judge_scaling([runs[f"acc-s3-n{n}"] for n in range(1, top + 1)], t.min_scaling_efficiency),
@@ -330,8 +331,8 @@ def test_the_report_has_the_table_first_and_real_plots(tmp_path: Path, sweep: bo
 
 def test_a_failed_run_leaves_its_plot_out_and_the_report_says_failed(tmp_path: Path) -> None:
     res = _acceptance(False)
-    res.items[0] = acc.judge_loss(acc.Run("acc-s0-n2", 2, 0, state="failed", error="job ended failed"),
-                                  acc.Run("acc-s3-n2", 2, 3, state="failed", error="job ended failed"), 0.01)
+    res.items[0] = acc.judge_loss(records.Run("acc-s0-n2", 2, 0, state="failed", error="job ended failed"),
+                                  records.Run("acc-s3-n2", 2, 3, state="failed", error="job ended failed"), 0.01)
     md = report.write(res, tmp_path).read_text()
     assert md.startswith("# shardstack acceptance: FAILED")
     assert "| loss curves, ZeRO stage 0 vs stage 3 | FAIL | stage 0 run failed |" in md

@@ -14,15 +14,15 @@ from rich.table import Table
 from shardstack.cli.inventory import add_inventory_arg, load_cluster
 from shardstack.cli.output import EXIT_FAILED_HOSTS, EXIT_OK, LiveProgress, console
 from shardstack.errors import ShardstackError
-from shardstack.ops.acceptance import judge, report
+from shardstack.ops.acceptance import records, report
 from shardstack.ops.acceptance.run import Hooks, run_acceptance
 
 _STYLE = {"pass": "green", "fail": "bold red", "n/a": "yellow"}
 
 
 def register(sub: argparse._SubParsersAction) -> None:
-    d = judge.Settings()
-    t = judge.Thresholds()
+    d = records.Settings()
+    t = records.Thresholds()
     p = sub.add_parser("acceptance", help="the acceptance on a deployed cluster: loss with ZeRO off/on, scaling, "
                                           "all-reduce bandwidth, GPU use, kill and resume; a report with plots")
     add_inventory_arg(p)
@@ -71,12 +71,12 @@ def _echo(message: str) -> None:
     console.print(f"  {message}", highlight=False)
 
 
-def _item(item: judge.Item) -> None:
+def _item(item: records.Item) -> None:
     console.print(f"[{_STYLE[item.status]}]{report.MARK[item.status]}[/] {item.title} "
                   f"({item.seconds:.0f}s): {item.measured}", highlight=False)
 
 
-def verdict_table(result: judge.Acceptance) -> Table:
+def verdict_table(result: records.Acceptance) -> Table:
     table = Table(title=f"acceptance: {'passed' if result.passed else 'FAILED'} in {result.seconds / 60:.1f} min")
     for col in ("item", "result", "measured", "threshold", "seconds"):
         table.add_column(col, justify="right" if col == "seconds" else "left")
@@ -87,12 +87,12 @@ def verdict_table(result: judge.Acceptance) -> Table:
 
 
 def _acceptance(args: argparse.Namespace) -> int:
-    settings = judge.Settings(
+    settings = records.Settings(
         steps=args.steps, kill_steps=args.kill_steps, checkpoint_interval=args.checkpoint_interval,
         batch_per_node=args.batch_per_node, model_size=args.model_size, seed=args.seed, max_nodes=args.max_nodes,
         allreduce_mb=args.allreduce_mb, job_timeout=args.job_timeout,
         time_budget=None if args.time_budget is None else args.time_budget * 60, keep_runs=args.keep_runs)
-    thresholds = judge.Thresholds(
+    thresholds = records.Thresholds(
         loss_rtol=args.loss_rtol, min_scaling_efficiency=args.min_scaling_efficiency,
         max_scaling_efficiency=args.max_scaling_efficiency,
         max_comm_fraction=args.max_comm_fraction, min_gpu_utilization=args.min_gpu_utilization)
@@ -104,7 +104,7 @@ def _acceptance(args: argparse.Namespace) -> int:
     except ShardstackError as exc:
         raise ShardstackError(f"--model-size: {exc}") from None
     cluster = load_cluster(args)
-    result = judge.Acceptance(str(cluster.path), settings, thresholds)
+    result = records.Acceptance(str(cluster.path), settings, thresholds)
     hooks = Hooks(echo=_echo, item=_item, events=LiveProgress)
     console.print(f"[bold]acceptance[/] on {cluster.path}: report → {args.out}/acceptance.md", highlight=False)
     try:

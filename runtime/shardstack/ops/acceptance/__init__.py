@@ -18,7 +18,7 @@ from:
   checkpoint (not step 0), finish, and repeat the steps it re-runs with the same losses;
 - the seconds of each item and of the whole.
 
-judge.py holds the records and the verdicts (pure), run.py the running on a cluster (`run_acceptance`); what is
+records.py holds the records, judge.py the verdicts (pure), run.py the running on a cluster (`run_acceptance`); what is
 shown while it runs is the caller's (`Hooks`); the report's Markdown and plots are report.py's (matplotlib imported
 there only). Callers import from those modules; this package re-exports nothing.
 """

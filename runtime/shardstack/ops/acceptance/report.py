@@ -11,7 +11,7 @@ from pathlib import Path
 from typing import Any
 
 from shardstack.errors import ShardstackError
-from shardstack.ops.acceptance.judge import Acceptance, Item
+from shardstack.ops.acceptance.records import Acceptance, Item
 
 MARK = {"pass": "PASS", "fail": "FAIL", "n/a": "n/a"}
 PLOTS = {"loss": "loss.png", "scaling": "scaling.png", "bandwidth": "allreduce.png", "resume": "resume.png"}

@@ -14,11 +14,6 @@ from typing import Any
 from shardstack.errors import ShardstackError
 from shardstack.ops import cordon, train
 from shardstack.ops.acceptance.judge import (
-    Acceptance,
-    Item,
-    Run,
-    Settings,
-    Thresholds,
     gpu_train_nodes,
     judge_bandwidth,
     judge_gpu,
@@ -28,6 +23,7 @@ from shardstack.ops.acceptance.judge import (
     judge_time,
     logged_resume_step,
 )
+from shardstack.ops.acceptance.records import Acceptance, Item, Run, Settings, Thresholds
 from shardstack.ops.inventory import Cluster
 from shardstack.ops.jobs.common import TRAIN_GROUP, JobStatus, unit
 from shardstack.ops.runner import RunnerEvent, run_command
