@@ -39,7 +39,7 @@ from shardstack.errors import ShardstackError
 from shardstack.ops.endpoint import Endpoint, complete
 from shardstack.ops.runner import run_playbook
 from shardstack.serve.accesslog import REQUEST_ID_PATTERN
-from shardstack.serve.protocol import ApiError
+from shardstack.serve.apierror import ApiError
 
 from .conftest import REPO, issue, render, role_value, store_files
 

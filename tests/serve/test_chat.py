@@ -10,8 +10,9 @@ import httpx
 import openai
 import pytest
 from shardstack.model.tokenizer import ByteTokenizer, HFTokenizer
+from shardstack.serve.apierror import ApiError
 from shardstack.serve.chat import ChatTemplate, ChatTemplateError, load_chat_template
-from shardstack.serve.protocol import ApiError, Limits, PromptContext, parse_chat
+from shardstack.serve.protocol import Limits, PromptContext, parse_chat
 
 from .conftest import AUTH, TOKEN, Service
 

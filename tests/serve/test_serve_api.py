@@ -10,7 +10,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 import httpx
 import pytest
-from shardstack.serve.protocol import ErrorBody
+from shardstack.serve.apierror import ErrorBody
 
 from .conftest import AUTH, JSON, Service
 

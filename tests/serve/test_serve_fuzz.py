@@ -16,7 +16,8 @@ import httpx
 import pytest
 from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
-from shardstack.serve.protocol import MAX_MESSAGE_CHARS, QUOTE_CHARS, CompletionBody, ErrorBody
+from shardstack.serve.apierror import MAX_MESSAGE_CHARS, QUOTE_CHARS, ErrorBody
+from shardstack.serve.protocol import CompletionBody
 
 from .conftest import JSON
 

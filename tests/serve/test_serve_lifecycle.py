@@ -18,7 +18,7 @@ from pathlib import Path
 import httpx
 import pytest
 from shardstack.cli import main
-from shardstack.serve.protocol import ErrorBody
+from shardstack.serve.apierror import ErrorBody
 
 from .conftest import Service, TlsFiles, assert_https_only, running_service
 

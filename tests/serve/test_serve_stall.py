@@ -17,9 +17,10 @@ import httpx
 import pytest
 import torch
 import uvicorn
+from shardstack.serve.apierror import ErrorBody
 from shardstack.serve.app import create_app
 from shardstack.serve.lifecycle import Service
-from shardstack.serve.protocol import ErrorBody, PromptContext, default_body_limit
+from shardstack.serve.protocol import PromptContext, default_body_limit
 from shardstack.serve.settings import ServeSettings
 
 from .conftest import READY_TIMEOUT, CountingTokenizer

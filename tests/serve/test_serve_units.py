@@ -14,16 +14,9 @@ from pathlib import Path
 import pytest
 import torch
 from shardstack.model.tokenizer import ByteTokenizer, HFTokenizer, Tokenizer
+from shardstack.serve.apierror import QUOTE_CHARS, ApiError, ErrorBody
 from shardstack.serve.notify import Notifier
-from shardstack.serve.protocol import (
-    QUOTE_CHARS,
-    ApiError,
-    ErrorBody,
-    Limits,
-    PromptContext,
-    default_body_limit,
-    parse_completion,
-)
+from shardstack.serve.protocol import Limits, PromptContext, default_body_limit, parse_completion
 from shardstack.serve.sampling import SamplingParams, make_generator, sample
 from shardstack.serve.text import UNBOUNDED_BYTES_PER_TOKEN, TextStream, max_input_bytes_per_token
 

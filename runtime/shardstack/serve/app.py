@@ -21,9 +21,9 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from shardstack.serve import routes
 from shardstack.serve.accesslog import SCOPE_KEY, AccessLog, JournalSink, api_key_name, request_id, resolve_mode
+from shardstack.serve.apierror import ApiError, clip
 from shardstack.serve.lifecycle import Service, feed_watchdog
 from shardstack.serve.metrics import ServeMetrics
-from shardstack.serve.protocol import ApiError, clip
 
 log = logging.getLogger(__name__)
 

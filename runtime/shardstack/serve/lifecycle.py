@@ -23,12 +23,13 @@ from starlette.requests import Request
 from shardstack.errors import ShardstackError
 from shardstack.model.manifest import Staged, stage_verified
 from shardstack.model.tokenizer import Tokenizer
+from shardstack.serve.apierror import ApiError
 from shardstack.serve.chat import ChatTemplate, load_chat_template
 from shardstack.serve.engine import Engine
 from shardstack.serve.metrics import ServeMetrics
 from shardstack.serve.notify import Notifier
 from shardstack.serve.output import Handoff
-from shardstack.serve.protocol import ApiError, Limits, PromptContext, default_body_limit
+from shardstack.serve.protocol import Limits, PromptContext, default_body_limit
 from shardstack.serve.sampling import SamplingParams
 from shardstack.serve.settings import ServeSettings, resolve_device, resolve_dtype
 from shardstack.serve.text import eos_ids, model_tokenizer

@@ -1,5 +1,5 @@
-"""The OpenAI-compatible request schemas for `POST /v1/completions` and `POST /v1/chat/completions` (pydantic v2)
-and the one error shape.
+"""The OpenAI-compatible request schemas for `POST /v1/completions` and `POST /v1/chat/completions` (pydantic v2):
+the raw body to a typed request, or a 4xx.
 
 `parse_completion` and `parse_chat` turn the raw body into a typed `CompletionRequest` or raise `ApiError`. It is
 CPU work that grows with the body (JSON, validation, rendering and encoding the prompt), so the app runs it on a
@@ -10,9 +10,7 @@ validated in strict mode: no coercion of `"5"` to 5 or `true` to 1, unknown fiel
 and sampling values must be ones float32 can honour. Anything a client can send maps to a 4xx; 5xx is reserved for
 faults of the service itself.
 
-Every error the service returns has OpenAI's shape, `ErrorBody`:
-`{"error": {"message": ..., "type": ..., "param": ..., "code": ...}}`. Client strings quoted in a message
-(field names included) are cut to `QUOTE_CHARS`, so an error never echoes unbounded input.
+Errors are serve/apierror.py's `ApiError`, in OpenAI's shape.
 """
 
 from __future__ import annotations
@@ -26,74 +24,16 @@ from pydantic import AfterValidator, BaseModel, BeforeValidator, ConfigDict, Fie
 from pydantic_core import PydanticCustomError
 
 from shardstack.model.tokenizer import Tokenizer
+from shardstack.serve.apierror import ApiError, clip, invalid
 from shardstack.serve.chat import ChatTemplate, ChatTemplateError
 from shardstack.serve.sampling import FLOAT32_TINY, SamplingParams
 from shardstack.serve.text import max_input_bytes_per_token
 
 MAX_STOP_SEQUENCES = 4
 MAX_STOP_BYTES = 64
-QUOTE_CHARS = 64  # a client string quoted in an error message is cut to this many characters
-MAX_MESSAGE_CHARS = 512  # and no error message is longer than this
 _SEED_RANGE = (-(2**63), 2**64 - 1)  # what torch.Generator.manual_seed accepts
 
 
-# ---- the error shape ------------------------------------------------------------------------------------------
-class ErrorInfo(BaseModel):
-    model_config = ConfigDict(extra="forbid", strict=True)
-
-    message: str
-    type: str  # invalid_request_error | authentication_error | rate_limit_error | server_error
-    param: str | None  # the request field to blame, if one is
-    code: str | None  # a stable machine-readable reason, e.g. model_not_found, context_length_exceeded
-
-
-class ErrorBody(BaseModel):
-    model_config = ConfigDict(extra="forbid", strict=True)
-
-    error: ErrorInfo
-
-
-def error_type(status: int) -> str:
-    """OpenAI's error `type` for an HTTP status."""
-    if status >= 500:
-        return "server_error"
-    return {401: "authentication_error", 429: "rate_limit_error"}.get(status, "invalid_request_error")
-
-
-def clip(text: str, limit: int = QUOTE_CHARS) -> str:
-    """A client string made fit to quote: at most `limit` characters, lone surrogates escaped (always encodable)."""
-    cut = len(text) > limit
-    text = text[:limit].encode("utf-8", "backslashreplace").decode("utf-8")
-    return text[: limit - 1] + "…" if cut or len(text) > limit else text
-
-
-class ApiError(Exception):
-    """Any answer but success: the HTTP status, OpenAI's error object and extra headers (Retry-After, …)."""
-
-    def __init__(self, status: int, message: str, *, code: str | None = None, param: str | None = None,
-                 headers: dict[str, str] | None = None) -> None:
-        super().__init__(message)
-        self.status = status
-        self.message = clip(message, MAX_MESSAGE_CHARS)
-        self.code = code
-        self.param = None if param is None else clip(param)
-        self.headers = headers or {}
-
-    def body(self) -> dict[str, Any]:
-        info = ErrorInfo(message=self.message, type=error_type(self.status), param=self.param, code=self.code)
-        return ErrorBody(error=info).model_dump()
-
-    def json(self) -> bytes:
-        """The body as sent, compact; HAProxy's own 429/503 bodies are this for their status and message."""
-        return json.dumps(self.body(), ensure_ascii=False, separators=(",", ":")).encode()
-
-
-def invalid(param: str | None, message: str, *, code: str | None = None) -> ApiError:
-    """400 for an invalid request; the message starts with the field to blame."""
-    return ApiError(400, f"{clip(param)}: {message}" if param else message, code=code, param=param)
-
-
-# ---- the request schema -------------------------------------------------------------------------------------
 def _unicode(text: str) -> str:
     try:
         text.encode("utf-8")

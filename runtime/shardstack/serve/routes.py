@@ -20,9 +20,10 @@ from starlette.types import Receive
 
 from shardstack import __version__
 from shardstack.serve.accesslog import request_fields
+from shardstack.serve.apierror import ApiError
 from shardstack.serve.engine import Engine
 from shardstack.serve.lifecycle import Service
-from shardstack.serve.protocol import ApiError, CompletionRequest, parse_chat, parse_completion
+from shardstack.serve.protocol import CompletionRequest, parse_chat, parse_completion
 from shardstack.serve.request import Output, Sequence
 from shardstack.serve.scheduler import QueueFull
 
