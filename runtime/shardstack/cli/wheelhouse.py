@@ -9,16 +9,8 @@ import sys
 from pathlib import Path
 
 from shardstack.accel import BY_NAME, accelerator_class, probe
-from shardstack.build.wheelhouse import (
-    DEFAULT_PYTHON,
-    TARGET_PYTHONS,
-    VENVS,
-    accelerator,
-    build,
-    dependencies,
-    resolve,
-    target_python,
-)
+from shardstack.build.resolver import DEFAULT_PYTHON, TARGET_PYTHONS, VENVS, accelerator, resolve, target_python
+from shardstack.build.wheelhouse import build, dependencies
 from shardstack.ops.runner import project_dir
 
 
