@@ -17,7 +17,8 @@ from shardstack.accel.classes import NVIDIA_VENDOR, has_nvidia
 
 @dataclass
 class NodeFacts:
-    """What one node shows; `probe()` records it, the decisions below only read it (tests pass recorded ones)."""
+    """What one node shows; `probe()` records it, the decisions (classes.py, device.py) only read it (tests pass
+    recorded ones)."""
 
     gpus: list[str] = field(default_factory=list)  # PCI addresses: vendor 0x10de, class 0x03 (display/3D)
     nvidia_functions: int = 0  # every vendor 0x10de function (GPUs, NVSwitches, audio)
