@@ -383,3 +383,23 @@ def test_metadata_from_a_python_that_pickles_enums_by_name(
         assert rc == 0 and "INVALID" not in out, out
     else:
         assert rc == 1 and "calls getattr on something other than a checkpoint metadata enum member" in out, out
+
+
+def test_metadata_from_python_3_13_names_posixpath_by_its_new_module(
+    tmp_path: Path, key_file: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Python 3.13 (Debian 13's nodes) pickles StorageMeta's checkpoint_id as pathlib._local.PosixPath: a trixie
+    node's checkpoint resumes and exports (found when the first trixie lab's export refused its own checkpoint)."""
+    root = tmp_path / "ckpt"
+    _save(root, key_file)
+    step = root / "step_00000004"
+    md = dcp.FileSystemReader(str(step)).read_metadata()
+    data = pickle.dumps(md, protocol=2)  # GLOBAL opcodes name the module as text
+    assert b"cpathlib\nPosixPath\n" in data
+    (step / ".metadata").write_bytes(data.replace(b"cpathlib\nPosixPath\n", b"cpathlib._local\nPosixPath\n"))
+    _rehash(step, load_signing_key(key_file))
+    rc, out = _cli(capsys, "checkpoint", "verify", str(root), "--key-file", str(key_file))
+    assert rc == 0 and "INVALID" not in out, out
+    rc, out = _cli(capsys, "export", "--checkpoint", str(root), "--out", str(tmp_path / "o"),
+                   "--key-file", str(key_file))
+    assert rc == 0 and "exported step 4" in out, out

@@ -86,7 +86,10 @@ _ALLOWED: dict[tuple[str, str], Any] = {
     ("torch.distributed.checkpoint.filesystem", "_StorageInfo"): _StorageInfo,
     ("torch", "Size"): torch.Size,
     ("torch.serialization", "_get_layout"): torch.serialization._get_layout,  # a name → torch.layout lookup
-    ("pathlib", "PosixPath"): pathlib.PosixPath,  # StorageMeta.checkpoint_id
+    # StorageMeta.checkpoint_id, under the module it is pickled from: pathlib up to Python 3.12, pathlib._local from
+    # 3.13 (Debian 13), so a checkpoint from either release's nodes loads on the other's.
+    ("pathlib", "PosixPath"): pathlib.PosixPath,
+    ("pathlib._local", "PosixPath"): pathlib.PosixPath,
     **{("torch", n): v for n, v in vars(torch).items() if isinstance(v, torch.dtype)},  # pickled by name
 }
 
