@@ -45,6 +45,7 @@ import pytest
 import yaml
 from shardstack.build.pretrained import CORPUS
 from shardstack.build.wheelhouse import build as build_wheelhouse
+from shardstack.build.wheelhouse import cache_root as wheelhouse_cache
 from shardstack.cli.output import Progress
 from shardstack.lab import lab
 from shardstack.model.tokenizer import train_bpe
@@ -93,16 +94,17 @@ class LabCluster:
 
 @pytest.fixture(scope="module")
 def lab3(tmp_path_factory: pytest.TempPathFactory):
-    # One wheelhouse for the whole module: the source tree may change under a long test, the nodes must not (under
-    # molecule it is the one converge installed: the cache is keyed by the source). The test job runs ~30 s on an
-    # idle host, split by the kill: at the default 15 s scrape interval Prometheus can miss it entirely, so this
-    # cluster scrapes every 5 s (molecule default's inventory says the same).
-    extravars = {"training_runtime_wheelhouse_src": str(build_wheelhouse(project_dir()).path),
-                 "prometheus_scrape_interval": "5s", "prometheus_scrape_timeout": "4s"}
+    # One wheelhouse for the whole module: the source tree may change under a long test, the nodes must not. Under
+    # molecule it is the one converge installed, whose class and Python the nodes decided (a trixie lab's is cp313).
+    # The test job runs ~30 s on an idle host, split by the kill: at the default 15 s scrape interval Prometheus can
+    # miss it entirely, so this cluster scrapes every 5 s (molecule default's inventory says the same).
+    scrape = {"prometheus_scrape_interval": "5s", "prometheus_scrape_timeout": "4s"}
     given = os.environ.get("SHARDSTACK_E2E_INVENTORY")
     if given:
-        yield LabCluster(Path(given), extravars, deployed=True)
+        wheelhouse = _installed_wheelhouse(Path(given))
+        yield LabCluster(Path(given), {"training_runtime_wheelhouse_src": str(wheelhouse), **scrape}, deployed=True)
         return
+    extravars = {"training_runtime_wheelhouse_src": str(build_wheelhouse(project_dir()).path), **scrape}
     inventory = tmp_path_factory.mktemp("e2e") / "hosts.yml"
     if LAB in lab.st.list_labs():
         lab.down(LAB, Progress())
@@ -112,6 +114,18 @@ def lab3(tmp_path_factory: pytest.TempPathFactory):
     finally:
         lab.down(LAB, Progress())
         assert lab.leftovers(LAB) == []
+
+
+def _installed_wheelhouse(inventory: Path) -> Path:
+    """The wheelhouse in this controller's cache whose key the first train node's venv records."""
+    inv = Cluster.load(inventory)
+    venv = inv.hostvars.get(inv.group("train_nodes")[0], {}).get("training_runtime_venv", "/opt/shardstack/venv")
+    (res,) = run_command(["cat", f"{venv}/.shardstack-wheelhouse"], inventory, "train_nodes[0]").values()
+    assert res.success, res
+    key = res.stdout.strip()
+    found = [m.parent for m in wheelhouse_cache().glob("*/*/manifest.json") if json.loads(m.read_text())["key"] == key]
+    assert len(found) == 1, f"wheelhouse {key!r} (installed by the converge) in {wheelhouse_cache()}: {found}"
+    return found[0]
 
 
 def test_site_then_a_redeploy_from_a_wheel_changes_nothing(lab3: LabCluster, tmp_path: Path) -> None:
