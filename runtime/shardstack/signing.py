@@ -16,6 +16,7 @@ import hmac
 import json
 import os
 import stat
+import struct
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -54,10 +55,12 @@ def load_signing_key(path: str | os.PathLike) -> SigningKey:
         st = os.fstat(fd)
         if not stat.S_ISREG(st.st_mode):
             raise ShardstackError(f"the checkpoint signing key {path} is not a regular file", hint=_KEY_HINT)
-        if st.st_mode & 0o077:
+        acl = _acl(fd)
+        if _others_may_access(st, acl):
             raise ShardstackError(
                 f"the checkpoint signing key {path} is accessible to other accounts (mode "
-                f"{stat.S_IMODE(st.st_mode):04o})", hint=f"chmod 0400 {path}")
+                f"{stat.S_IMODE(st.st_mode):04o}{' and its ACL' if acl else ''})",
+                hint=f"chmod 0400 {path}" + (f"; setfacl -b {path}" if acl else ""))
         with os.fdopen(fd, "rb", closefd=False) as f:
             secret = f.read().strip()
     except OSError as exc:
@@ -69,6 +72,30 @@ def load_signing_key(path: str | os.PathLike) -> SigningKey:
             f"the checkpoint signing key {path} is too short ({len(secret)} bytes; at least {MIN_KEY_BYTES})",
             hint=_KEY_HINT)
     return SigningKey(path, secret)
+
+
+# POSIX access ACL: the xattr's entries after a 4-byte version, each (tag, perm, id) little-endian.
+_ACL_XATTR = "system.posix_acl_access"
+_ACL_USER, _ACL_GROUP_OBJ, _ACL_GROUP, _ACL_MASK, _ACL_OTHER = 0x02, 0x04, 0x08, 0x10, 0x20
+
+
+def _acl(fd: int) -> list[tuple[int, int, int]]:
+    try:
+        raw = os.getxattr(fd, _ACL_XATTR)
+    except OSError:  # no ACL (ENODATA), or a file system without them
+        return []
+    return [struct.unpack_from("<HHI", raw, off) for off in range(4, len(raw) - 7, 8)]
+
+
+def _others_may_access(st: os.stat_result, entries: list[tuple[int, int, int]]) -> bool:
+    """Whether an account other than the file's owner and this process's may read or write it. With an ACL the mode's
+    group bits are the ACL's mask, not a group's permissions: systemd 257's LoadCredential= (Debian 13) grants the
+    service's user by a named entry, which reads as mode 0440 with no group or other access."""
+    if not entries:
+        return bool(st.st_mode & 0o077)
+    mask = next((perm for tag, perm, _ in entries if tag == _ACL_MASK), 0o7)
+    return any((tag == _ACL_OTHER and perm) or (tag in (_ACL_GROUP_OBJ, _ACL_GROUP) and perm & mask)
+               or (tag == _ACL_USER and ident != os.geteuid() and perm & mask) for tag, perm, ident in entries)
 
 
 def canonical(manifest: dict[str, Any]) -> bytes:

@@ -12,6 +12,7 @@ import pathlib
 import pickle
 import shlex
 import shutil
+import struct
 from pathlib import Path
 from typing import Any
 
@@ -403,3 +404,33 @@ def test_metadata_from_python_3_13_names_posixpath_by_its_new_module(
     rc, out = _cli(capsys, "export", "--checkpoint", str(root), "--out", str(tmp_path / "o"),
                    "--key-file", str(key_file))
     assert rc == 0 and "exported step 4" in out, out
+
+
+def _set_acl(path: Path, *entries: tuple[int, int, int]) -> None:
+    """A POSIX access ACL as setfacl writes it (version 2, then (tag, perm, id) entries in tag order)."""
+    os.setxattr(path, "system.posix_acl_access",
+                struct.pack("<I", 2) + b"".join(struct.pack("<HHI", *e) for e in sorted(entries)))
+
+
+USER_OBJ, USER, GROUP_OBJ, GROUP, MASK, OTHER = 0x01, 0x02, 0x04, 0x08, 0x10, 0x20
+NO_ID = 0xFFFFFFFF
+
+
+@pytest.mark.parametrize(
+    ("named", "ok"),
+    [((USER, 4, "self"), True), ((USER, 4, 65534), False), ((GROUP, 4, 65534), False)],
+    ids=["this-account", "another-user", "a-group"],
+)
+def test_a_key_shared_by_acl_only_with_this_account_loads(tmp_path: Path, named: tuple, ok: bool) -> None:
+    """systemd 257 (Debian 13) hands LoadCredential= files to a service's user by a named ACL entry: mode 0440, the
+    group bits being the ACL's mask. That is private; an entry for anyone else is not."""
+    path = write_key(tmp_path / "signing-key", "k" * 40, 0o400)
+    tag, perm, ident = named
+    _set_acl(path, (USER_OBJ, 4, NO_ID), (tag, perm, os.geteuid() if ident == "self" else ident),
+             (GROUP_OBJ, 0, NO_ID), (MASK, 4, NO_ID), (OTHER, 0, NO_ID))
+    assert path.stat().st_mode & 0o777 == 0o440
+    if ok:
+        assert load_signing_key(path).secret == b"k" * 40
+    else:
+        with pytest.raises(ShardstackError, match=r"accessible to other accounts \(mode 0440 and its ACL\)"):
+            load_signing_key(path)
