@@ -94,8 +94,9 @@ unit: setup vllm-venv
 # scenario, so MOLECULE_JOBS of them run side by side; the longest start first so the queues end together. One line
 # per scenario here; the whole output in artifacts/molecule/<scenario>.log (a failed one's failed tasks below).
 # SCENARIOS=… runs some of them; runs of disjoint lists may overlap (each cleans only its own files).
-# SHARDSTACK_LAB_RELEASE=trixie boots their labs on Debian 13 (default bookworm; docs/lab.md, "Releases"), e.g.
-# `make molecule SCENARIOS=slurm SHARDSTACK_LAB_RELEASE=trixie`.
+# SHARDSTACK_LAB_RELEASE=trixie boots their labs on Debian 13 (default bookworm; docs/lab.md, "Releases") and
+# SHARDSTACK_LAB_ACCELERATOR their nodes' torch build (default auto), e.g.
+# `SHARDSTACK_LAB_RELEASE=trixie SHARDSTACK_LAB_ACCELERATOR=cu130 make molecule SCENARIOS=slurm`.
 MOLECULE_JOBS ?= 2
 MOLECULE_FIRST := default accelerators slurm
 SCENARIOS ?= $(MOLECULE_FIRST) $(filter-out $(MOLECULE_FIRST),$(patsubst molecule/%/molecule.yml,%,$(wildcard molecule/*/molecule.yml)))

@@ -33,13 +33,16 @@ def test_base_config_holds_what_is_common() -> None:
 
 def test_the_lab_release_is_chosen_by_the_environment_and_reaches_lab_up() -> None:
     """SHARDSTACK_LAB_RELEASE picks every scenario's lab release (bookworm when unset); create.yml hands it to
-    `shardstack lab up --release`."""
+    `shardstack lab up --release`. SHARDSTACK_LAB_ACCELERATOR the nodes' torch build (auto when unset)."""
     from molecule.interpolation import Interpolator, TemplateWithDefaults
 
     raw = (REPO / ".config" / "molecule" / "config.yml").read_text()
     for env, want in (({}, "bookworm"), ({"SHARDSTACK_LAB_RELEASE": "trixie"}, "trixie")):
         text = Interpolator(TemplateWithDefaults, env).interpolate(raw)
         assert yaml.safe_load(text)["driver"]["lab_release"] == want
+    for env, want in (({}, "auto"), ({"SHARDSTACK_LAB_ACCELERATOR": "cu130"}, "cu130")):
+        text = Interpolator(TemplateWithDefaults, env).interpolate(raw)
+        assert yaml.safe_load(text)["provisioner"]["inventory"]["group_vars"]["all"]["shardstack_accelerator"] == want
     create = yaml.safe_load((REPO / "molecule" / "resources" / "create.yml").read_text())
     argv = create[0]["tasks"][0]["ansible.builtin.command"]["argv"]
     assert argv[argv.index("--release") + 1] == "{{ molecule_yml.driver.lab_release | default('bookworm') }}"
