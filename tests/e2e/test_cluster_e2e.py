@@ -118,8 +118,7 @@ def lab3(tmp_path_factory: pytest.TempPathFactory):
 
 def _installed_wheelhouse(inventory: Path) -> Path:
     """The wheelhouse in this controller's cache whose key the first train node's venv records."""
-    inv = Cluster.load(inventory)
-    venv = inv.hostvars.get(inv.group("train_nodes")[0], {}).get("training_runtime_venv", "/opt/shardstack/venv")
+    venv = Cluster.load(inventory).setting("training_runtime_venv", "training_runtime", "train_nodes")
     (res,) = run_command(["cat", f"{venv}/.shardstack-wheelhouse"], inventory, "train_nodes[0]").values()
     assert res.success, res
     key = res.stdout.strip()
