@@ -1,8 +1,9 @@
 #!/usr/bin/env python3
 """Where `make test`'s minutes go: `budget.py stage NAME -- CMD...` runs CMD and records its wall time and exit code
 under artifacts/budget/; `budget.py table` prints one table of every recorded stage (seconds, tests passed, skipped,
-failed) from those records, pytest's JUnit files and molecule's per-scenario results. Standard library only: it
-runs before and after the venv's tools."""
+failed) from those records, pytest's JUnit files and molecule's per-scenario results, then each failed test with the
+first line of its message (CI keeps only the tail of the log). Standard library only: it runs before and after the
+venv's tools."""
 
 from __future__ import annotations
 
@@ -43,6 +44,20 @@ def junit_counts(path: Path) -> tuple[int, int, int] | None:
     skipped = sum(int(s.get("skipped", 0)) for s in suites)
     failed = sum(int(s.get("failures", 0)) + int(s.get("errors", 0)) for s in suites)
     return total - skipped - failed, skipped, failed
+
+
+def junit_failures(path: Path) -> list[str]:
+    """`name: first line of the message` for every failed or erroring test case of a pytest JUnit file."""
+    try:
+        root = ET.parse(path).getroot()
+    except (OSError, ET.ParseError):
+        return []
+    out = []
+    for case in root.iter("testcase"):
+        for bad in [*case.findall("failure"), *case.findall("error")]:
+            first = next((line for line in (bad.get("message") or bad.text or "").splitlines() if line.strip()), "")
+            out.append(f"{case.get('name')}: {first.strip()[:300]}")
+    return out
 
 
 def verify_counts(log: Path) -> tuple[int, int, int] | None:
@@ -89,6 +104,8 @@ def table() -> str:
     start = BUDGET / "start"
     if start.is_file():
         lines.append(f"{'total (wall)':<24}{time.time() - float(start.read_text()):>9.0f}")
+    for xml in [*sorted(BUDGET.glob("*.xml")), *sorted(MOLECULE.glob("*.e2e.xml"))]:
+        lines += [f"FAILED {xml.stem}: {failure}" for failure in junit_failures(xml)]
     return "\n".join(lines)
 
 
@@ -97,7 +114,7 @@ def main(argv: list[str]) -> int:
         return stage(argv[1], argv[3:])
     if argv == ["start"]:
         BUDGET.mkdir(parents=True, exist_ok=True)
-        for old in [*BUDGET.iterdir(), *MOLECULE.glob("*.result")]:  # this run's scenarios write theirs anew
+        for old in [*BUDGET.iterdir(), *MOLECULE.glob("*.result"), *MOLECULE.glob("*.e2e.xml")]:  # written anew
             old.unlink()
         (BUDGET / "start").write_text(str(time.time()))
         return 0

@@ -67,6 +67,23 @@ def test_stages_pytest_counts_and_molecule_scenarios_make_one_table(tmp_path: Pa
     assert _budget(tmp_path, "table").stdout.splitlines()[1:] == [_budget(tmp_path, "table").stdout.splitlines()[-1]]
 
 
+def test_the_table_ends_with_each_failed_test_and_its_message(tmp_path: Path) -> None:
+    (tmp_path / "test_e2e.py").write_text(
+        "def test_ok():\n    pass\n\ndef test_flood():\n    assert 0.3 <= 0.1, 'flooded p99 ms'\n")
+    assert _budget(tmp_path, "start").returncode == 0
+    (tmp_path / "artifacts" / "molecule").mkdir(parents=True)
+    (tmp_path / "artifacts" / "molecule" / "default.result").write_text("FAILED 900\n")
+    subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "test_e2e.py",
+                    "--junitxml=artifacts/molecule/default.e2e.xml"], cwd=tmp_path, capture_output=True, check=False)
+    table = _budget(tmp_path, "table").stdout
+    failed = [line for line in table.splitlines() if line.startswith("FAILED")]
+    assert failed == ["FAILED default.e2e: test_flood: AssertionError: flooded p99 ms"], table
+    assert _row(table, "molecule default")[1:6] == ["900", "1", "0", "1", "FAILED"]
+    # The next run starts without the last one's failures.
+    assert _budget(tmp_path, "start").returncode == 0
+    assert "FAILED" not in _budget(tmp_path, "table").stdout
+
+
 def test_bad_usage_exits_2(tmp_path: Path) -> None:
     out = _budget(tmp_path, "stage", "x")
     assert out.returncode == 2 and "usage" in out.stderr
