@@ -114,6 +114,7 @@ def test_a_vllm_node_runs_vllm_from_its_venv_in_the_same_hardened_unit(inference
     assert (str(args.tls_cert), str(args.tls_key)) == ("%d/tls-cert", "%d/tls-key")
     same = {k: v for k, v in builtin.items() if k not in ("ExecStart", "Environment", "Restart")}
     assert vllm["Restart"] == "always"  # it exits 0 when its engine process died
+    assert vllm["KillMode"] == "mixed" and "KillMode" not in builtin  # SIGTERM to the server alone: it drains
     assert {k: vllm[k] for k in same} == same
     assert vllm["CacheDirectory"] == "shardstack-inference"  # ProtectSystem=strict: its caches go there
 

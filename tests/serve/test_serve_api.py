@@ -30,7 +30,7 @@ def test_ready_after_load_and_warm_up(svc: Service, client: httpx.Client) -> Non
     assert svc.notify.count("READY") == 1
     assert client.get("/health").json() == {"status": "ok", "running": 0, "waiting": 0}
     info = client.get("/info", headers=AUTH).json()
-    assert info["model"] == "small" and info["step"] == 0 and info["dtype"] == "float32"
+    assert info["model"] == "small" and info["engine"] == "builtin" and info["step"] == 0 and info["dtype"] == "float32"
     assert info["checkpoint"] == "random:gpt:small:seed=1234" and info["device"] == "cpu"
     assert (info["arch"], info["format"], info["signed_by"]) == ("gpt", "shardstack", None)  # --allow-unsigned
     assert info["tokenizer"] == {"name": "bytes", "vocab_size": 256, "bos_token_id": None, "eos_token_ids": []}

@@ -48,6 +48,7 @@ def test_info_reports_the_tokenizer_and_the_architecture(bpe_svc: Service, bpe_c
     key_id = info["signed_by"]
     assert isinstance(key_id, str) and len(key_id) == 16
     assert f"signed with key id {key_id}" in bpe_svc.log()
+    assert info["step"] == 0  # a Hugging Face directory has none of its own: the signed manifest's
 
 
 def test_a_text_prompt_and_its_token_ids_give_the_same_completion(bpe_client: httpx.Client, bpe: HFTokenizer) -> None:

@@ -8,6 +8,7 @@ from __future__ import annotations
 import os
 import shutil
 import signal
+import socket
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -31,11 +32,12 @@ def vllm_python() -> str:
     return python
 
 
-def start(model: Path, workdir: Path, *args: str, ca: Path | None = None) -> Service:
+def start(model: Path, workdir: Path, *args: str, ca: Path | None = None,
+          env_extra: dict[str, str] | None = None) -> Service:
     token = workdir / "token"
     token.write_text(TOKEN + "\n")
     # This checkout's shardstack in the venv of the vLLM wheelhouse's dependencies; 4 s watchdog: a ping a second.
-    env = {"PYTHONPATH": str(ROOT / "runtime"), "WATCHDOG_USEC": "4000000"}
+    env = {"PYTHONPATH": str(ROOT / "runtime"), "WATCHDOG_USEC": "4000000", **(env_extra or {})}
     return Service(model, workdir, "--engine", "vllm", "--token-file", str(token), "--model-name", "small",
                    "--max-concurrency", "4", "--kv-cache-gib", "1", "--dtype", "float32", *args, env=env,
                    python=vllm_python(), ca=ca)
@@ -82,7 +84,7 @@ def test_every_path_but_health_and_metrics_needs_the_token_and_says_so_in_the_op
     svc, _ = vllm_svc
     with httpx.Client(base_url=svc.url, verify=svc.verify, timeout=30) as c:
         for method, path in [("GET", "/v1/models"), ("POST", "/v1/completions"), ("POST", "/tokenize"),
-                             ("POST", "/v1/chat/completions")]:
+                             ("POST", "/v1/chat/completions"), ("GET", "/info")]:
             for headers in ({}, {"Authorization": "Bearer wrong"}, {"Authorization": f"Basic {TOKEN}"}):
                 r = c.request(method, path, json={"model": "small", "prompt": "x"}, headers=headers)
                 assert r.status_code == 401, (path, headers, r.text)
@@ -90,6 +92,10 @@ def test_every_path_but_health_and_metrics_needs_the_token_and_says_so_in_the_op
                 assert r.headers["www-authenticate"] == "Bearer"
         assert c.get("/v1/models", headers={"Authorization": f"Bearer {TOKEN}"}).json()["data"][0]["id"] == "small"
         assert c.get("/health").status_code == 200
+        # /info as the built-in engine answers it: which replica, which export, checked against which key.
+        info = c.get("/info", headers={"Authorization": f"Bearer {TOKEN}"}).json()
+        assert info["engine"] == "vllm" and info["model"] == "small" and info["host"] == socket.gethostname()
+        assert info["signed_by"] and info["step"] == 0 and info["limits"]["max_concurrency"] == 4, info
         metrics = c.get("/metrics").text
         assert "vllm:num_requests_running" in metrics and "vllm:kv_cache_usage_perc" in metrics
 
@@ -128,6 +134,53 @@ def test_when_vllms_engine_process_dies_the_server_exits_and_the_watchdog_pings_
     svc.notify.poll(0.5)
     assert svc.notify.count("WATCHDOG", since=killed + 2) == 0
     assert "EngineDeadError" in svc.log() or "engine core exited unexpectedly" in svc.log()
+
+
+def test_sigterm_drains_the_request_in_flight_and_turns_new_ones_away(bpe_model_dir: Path, signing_key_file: Path,
+                                                                    tmp_path: Path) -> None:
+    """As the unit stops it (KillMode=mixed: SIGTERM to the server alone): a request whose body is still arriving is
+    in flight; /health and a new request get 503 (the load balancer retries that one elsewhere) until it is answered
+    200, then vLLM stops its engine and exits 0."""
+    import http.client
+    import json
+    import socket
+
+    workdir = Path(os.path.realpath(tmp_path))
+    (workdir / "stage").mkdir()
+    svc = start(bpe_model_dir, workdir, "--key-file", str(signing_key_file), "--stage-dir", str(workdir / "stage"),
+                "--drain-seconds", "30", env_extra={"WATCHDOG_USEC": "0"})
+    try:
+        svc.wait_ready()
+        body = json.dumps({"model": "small", "prompt": "Once ", "max_tokens": 4}).encode()
+        held = socket.create_connection(("127.0.0.1", svc.port))
+        held.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                     b"Authorization: Bearer " + TOKEN.encode() + b"\r\nContent-Length: "
+                     + str(len(body)).encode() + b"\r\n\r\n" + body[:10])
+        time.sleep(1.0)  # the app has the request: it waits for the rest of the body
+        svc.proc.send_signal(signal.SIGTERM)
+        auth = {"Authorization": f"Bearer {TOKEN}"}
+        with httpx.Client(base_url=svc.url, timeout=10) as c:
+            deadline = time.monotonic() + 10
+            while (health := c.get("/health")).status_code != 503:
+                assert time.monotonic() < deadline, health.text
+                time.sleep(0.2)
+            assert health.json() == {"status": "draining"}
+            turned = c.post("/v1/completions", json={"model": "small", "prompt": "x", "max_tokens": 2}, headers=auth)
+            assert turned.status_code == 503 and turned.json()["error"]["code"] == "unavailable", turned.text
+            assert turned.headers["retry-after"] == "1"
+            assert c.get("/metrics").status_code == 200  # Prometheus still scrapes a draining server
+        assert svc.proc.poll() is None  # still serving the held request
+        held.sendall(body[10:])
+        response = http.client.HTTPResponse(held)
+        response.begin()
+        answered = json.loads(response.read())
+        held.close()
+        assert response.status == 200 and answered["choices"][0]["text"] is not None, answered
+        assert svc.proc.wait(60) == 0
+        log = svc.log()
+        assert "SIGTERM: draining, 1 request(s) in flight" in log and "drained (0 request(s) left)" in log, log[-3000:]
+    finally:
+        svc.stop()
 
 
 def test_a_tampered_export_is_refused_with_one_line_before_vllm_starts(bpe_model_dir: Path, signing_key_file: Path,
@@ -174,3 +227,54 @@ def test_the_settings_map_onto_vllms_arguments_and_cpu_environment() -> None:
 
     with pytest.raises(ShardstackError, match="may run on 2 CPU"):
         cpu_environment(3, None, {0, 1})
+
+
+def test_the_middleware_answers_info_behind_the_token_and_without_one_when_none_is_set(monkeypatch) -> None:
+    """BearerAuth alone (no vLLM): /info answered from the verified export's facts, the rest passed to vLLM's app."""
+    import asyncio
+    import json
+
+    from shardstack.serve import vllm
+
+    async def call(auth: vllm.BearerAuth, path: str, headers: list) -> tuple[int, bytes]:
+        sent: list[dict] = []
+
+        async def send(message: dict) -> None:
+            sent.append(message)
+
+        await auth({"type": "http", "path": path, "method": "GET", "headers": headers}, None, send)
+        return sent[0]["status"], b"".join(m.get("body", b"") for m in sent[1:])
+
+    async def app(scope: dict, receive: object, send) -> None:  # vLLM's app: 404 for a path it does not know
+        await send({"type": "http.response.start", "status": 404, "headers": []})
+        await send({"type": "http.response.body", "body": b"vllm"})
+
+    monkeypatch.setattr(vllm, "_info", {"engine": "vllm", "step": 7})
+    monkeypatch.setattr(vllm, "_token", TOKEN)
+    guarded = vllm.BearerAuth(app)
+    bearer = [(b"authorization", f"Bearer {TOKEN}".encode())]
+    assert asyncio.run(call(guarded, "/info", []))[0] == 401
+    status, body = asyncio.run(call(guarded, "/info", bearer))
+    assert (status, json.loads(body)) == (200, {"engine": "vllm", "step": 7})
+    assert asyncio.run(call(guarded, "/v1/models", bearer)) == (404, b"vllm")
+    assert asyncio.run(call(guarded, "/health", [])) == (404, b"vllm")  # open: vLLM's own
+    monkeypatch.setattr(vllm, "_token", None)
+    status, body = asyncio.run(call(vllm.BearerAuth(app), "/info", []))
+    assert (status, json.loads(body)["step"]) == (200, 7)
+
+
+def test_a_directory_vllm_cannot_load_is_named_before_it_starts(tmp_path: Path) -> None:
+    from shardstack.serve.vllm import not_hugging_face
+
+    assert "no model_type" in not_hugging_face(_config(tmp_path / "ours", {"arch": "gpt", "vocab_size": 256}))
+    assert "export with --format hf" in not_hugging_face(tmp_path / "ours")
+    assert "config.json" in not_hugging_face(tmp_path)  # none at all
+    assert not_hugging_face(_config(tmp_path / "hf", {"model_type": "llama"})) is None
+
+
+def _config(directory: Path, config: dict) -> Path:
+    import json
+
+    directory.mkdir()
+    (directory / "config.json").write_text(json.dumps(config))
+    return directory

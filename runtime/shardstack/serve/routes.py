@@ -83,6 +83,7 @@ async def info(request: Request) -> JSONResponse:
     s = svc.settings
     body: dict[str, Any] = {
         "model": svc.name,
+        "engine": "builtin",
         "host": socket.gethostname(),  # which replica answered, behind a load balancer
         "model_dir": str(s.model_dir),
         "phase": svc.phase,
@@ -91,7 +92,8 @@ async def info(request: Request) -> JSONResponse:
         "format": svc.meta.get("format", "shardstack") if svc.meta else None,
         "tokenizer": None,
         "checkpoint": svc.meta.get("source_checkpoint"),
-        "step": svc.meta.get("step"),
+        # A Hugging Face directory records no step; its signed manifest does (as vLLM's /info reports it).
+        "step": svc.meta.get("step") if svc.meta.get("step") is not None or not svc.verified else svc.verified.step,
         # How the weights were checked: the signed manifest's key id, or null (--allow-unsigned).
         "signed_by": svc.verified.key_id if svc.verified else None,
         "chat_template": svc.chat_template is not None,  # whether /v1/chat/completions can serve this model

@@ -5,21 +5,29 @@ is ours around the real engine:
 - the export is verified and staged exactly as for the built-in engine (model.manifest), and vLLM loads the copy;
 - the bearer token is checked by `BearerAuth`, an ASGI middleware vLLM loads by import path, which gets the token
   from this process's memory: never in vLLM's arguments (it logs them) nor in an environment its workers inherit;
+  behind the token it answers GET /info like the built-in engine (which replica, which export, signed by whom), so
+  a mixed tier behind one load balancer reports the same fields from every backend;
 - with --tls-cert/--tls-key vLLM serves HTTPS itself (its --ssl-certfile/--ssl-keyfile);
 - vLLM has no sd_notify: `HealthNotifier` polls vLLM's own /health and sends READY=1 on the first 200 and a
-  watchdog ping after each later one, so systemd restarts a server whose /health hangs or fails.
+  watchdog ping after each later one, so systemd restarts a server whose /health hangs or fails;
+- SIGTERM drains as the built-in engine does (`Drain`): /health and new requests answer 503 (the load balancer
+  retries those on another replica) while the requests in flight finish, then vLLM's own shutdown runs. vLLM's
+  would stop its engine at once and answer the requests still arriving with 500s.
 The settings map onto vLLM's: `vllm_argv` is the whole mapping.
 """
 
 from __future__ import annotations
 
 import argparse
+import asyncio
 import hmac
 import itertools
 import json
 import logging
 import os
 import shutil
+import signal
+import socket
 import ssl
 import sys
 import threading
@@ -30,6 +38,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from shardstack import __version__
 from shardstack.errors import ShardstackError
 from shardstack.model.manifest import Staged, stage_verified
 from shardstack.serve.notify import Notifier
@@ -40,6 +49,45 @@ log = logging.getLogger(__name__)
 # Paths answered without a token, as on the built-in engine: the load balancer's checks and Prometheus' scrape.
 OPEN_PATHS = frozenset({"/health", "/metrics", "/ping", "/version"})
 _token: str | None = None  # set by run() before vLLM builds its app; read by BearerAuth
+_info: dict[str, Any] = {}  # GET /info's body, set by run() once the export is verified
+
+
+class Drain:
+    """SIGTERM for vLLM's server: stop taking work, let what is in flight finish (up to `seconds`), then hand over
+    to vLLM's own shutdown (its SIGINT handler, the one it also gave SIGTERM)."""
+
+    def __init__(self) -> None:
+        self.seconds = 20.0
+        self.notifier: Notifier | None = None
+        self.draining = False
+        self.in_flight = 0
+        self._installed = False
+        self._task: asyncio.Task | None = None
+
+    def install(self) -> None:
+        """In vLLM's event loop, once its server starts (the ASGI lifespan): after vLLM set its own handlers."""
+        if not self._installed:
+            asyncio.get_running_loop().add_signal_handler(signal.SIGTERM, self.start)
+            self._installed = True
+
+    def start(self) -> None:
+        if self.draining:
+            return
+        self.draining = True
+        log.info("SIGTERM: draining, %d request(s) in flight, up to %.0fs", self.in_flight, self.seconds)
+        if self.notifier is not None:
+            self.notifier.stopping(f"draining {self.in_flight} request(s)")
+        self._task = asyncio.get_running_loop().create_task(self._finish())
+
+    async def _finish(self) -> None:
+        deadline = time.monotonic() + self.seconds
+        while self.in_flight > 0 and time.monotonic() < deadline:
+            await asyncio.sleep(0.1)
+        log.info("drained (%d request(s) left); stopping vLLM", self.in_flight)
+        os.kill(os.getpid(), signal.SIGINT)
+
+
+_drain = Drain()
 
 
 @dataclass(frozen=True)
@@ -106,30 +154,65 @@ def _ranges(cpus: list[int]) -> str:
 
 class BearerAuth:
     """Pure ASGI middleware: every path but OPEN_PATHS needs `Authorization: Bearer <token>` (vLLM's own check
-    guards /v1 only and leaves /tokenize and friends open)."""
+    guards /v1 only and leaves /tokenize and friends open); GET /info is answered here, as the built-in engine's."""
 
     def __init__(self, app: Any) -> None:
         self.app = app
         self.token = _token.encode() if _token else None
 
+    def _allowed(self, scope: dict[str, Any]) -> bool:
+        if self.token is None or scope["path"] in OPEN_PATHS:
+            return True
+        scheme, _, given = dict(scope.get("headers") or []).get(b"authorization", b"").partition(b" ")
+        return scheme.lower() == b"bearer" and hmac.compare_digest(given.strip(), self.token)
+
     async def __call__(self, scope: dict[str, Any], receive: Any, send: Any) -> None:
-        if self.token is None or scope["type"] not in ("http", "websocket") or scope["path"] in OPEN_PATHS:
+        if scope["type"] not in ("http", "websocket"):
+            if scope["type"] == "lifespan":
+                _drain.install()
             await self.app(scope, receive, send)
             return
-        header = dict(scope.get("headers") or []).get(b"authorization", b"")
-        scheme, _, given = header.partition(b" ")
-        if scheme.lower() == b"bearer" and hmac.compare_digest(given.strip(), self.token):
-            await self.app(scope, receive, send)
+        # Draining: /health and the work paths say so (the load balancer retries a 503 elsewhere); /metrics answers.
+        if scope["type"] == "http" and _drain.draining and (
+                scope["path"] == "/health" or (scope["path"] not in OPEN_PATHS and self._allowed(scope))):
+            await _send_json(send, 503, {"status": "draining"} if scope["path"] == "/health" else {"error": {
+                "message": "server is draining; retry on another replica", "type": "server_error", "param": None,
+                "code": "unavailable"}}, ((b"retry-after", b"1"),))
+            return
+        if self._allowed(scope):
+            if scope["type"] == "http" and scope["path"] == "/info" and scope.get("method") == "GET":
+                await _send_json(send, 200, _info)
+                return
+            _drain.in_flight += 1
+            try:
+                await self.app(scope, receive, send)
+            finally:
+                _drain.in_flight -= 1
             return
         if scope["type"] == "websocket":
             await send({"type": "websocket.close", "code": 1008})
             return
-        body = json.dumps({"error": {"message": "missing or invalid bearer token", "type": "invalid_request_error",
-                                     "param": None, "code": "invalid_api_key"}}).encode()
-        await send({"type": "http.response.start", "status": 401,
-                    "headers": [(b"content-type", b"application/json"), (b"www-authenticate", b"Bearer"),
-                                (b"content-length", str(len(body)).encode())]})
-        await send({"type": "http.response.body", "body": body})
+        await _send_json(send, 401, {"error": {"message": "missing or invalid bearer token",
+                                               "type": "invalid_request_error", "param": None,
+                                               "code": "invalid_api_key"}}, ((b"www-authenticate", b"Bearer"),))
+
+
+async def _send_json(send: Any, status: int, doc: dict[str, Any],
+                     headers: tuple[tuple[bytes, bytes], ...] = ()) -> None:
+    body = json.dumps(doc).encode()
+    await send({"type": "http.response.start", "status": status,
+                "headers": [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode()),
+                            *headers]})
+    await send({"type": "http.response.body", "body": body})
+
+
+def info(name: str, model: Path, staged: Staged | None, o: VllmOptions) -> dict[str, Any]:
+    """/info's body: the built-in engine's fields that mean the same here (docs/serving.md, "Engines")."""
+    return {"model": name, "engine": "vllm", "host": socket.gethostname(), "model_dir": str(model),
+            "version": __version__, "step": staged.step if staged else None,
+            "signed_by": staged.key_id if staged else None, "dtype": o.dtype,
+            "limits": {"max_concurrency": o.max_concurrency, "context": o.context},
+            "tensor_parallel": o.tensor_parallel, "pipeline_parallel": o.pipeline_parallel}
 
 
 class HealthNotifier(threading.Thread):
@@ -169,6 +252,9 @@ class HealthNotifier(threading.Thread):
         failing = False
         while True:
             time.sleep(interval / 4)
+            if _drain.draining:  # /health says so on purpose; the drain is bounded by the unit's stop timeout
+                self.notifier.watchdog()
+                continue
             ok = self.healthy(interval / 4)
             if ok:
                 self.notifier.watchdog()
@@ -203,6 +289,10 @@ def run(args: argparse.Namespace, key: SigningKey | None, token: str | None) -> 
             return 1
         log.info("verified %s: %d files, %.1f MiB, step %s, signed with key id %s (%.1fs)", args.model, staged.files,
                  staged.bytes / 2**20, staged.step, staged.key_id, time.monotonic() - started)
+    problem = not_hugging_face(staged.path if staged else args.model)
+    if problem:
+        log.error("cannot serve: %s", problem)
+        return 1
     name = args.model_name or args.model.resolve().name
     options = VllmOptions(model=staged.path if staged else args.model, name=name, host=args.host, port=args.port,
                           max_concurrency=args.max_concurrency, context=args.context,
@@ -213,8 +303,11 @@ def run(args: argparse.Namespace, key: SigningKey | None, token: str | None) -> 
     if not _has_cuda():
         os.environ.update(cpu_environment(args.threads, args.kv_cache_gib, os.sched_getaffinity(0)))
     _token = token
+    _info.update(info(name, args.model, staged, options))
     scheme = "https" if options.tls_cert else "http"
-    HealthNotifier(f"{scheme}://{_url_host(args.host)}:{args.port}/health", Notifier(), staged, name).start()
+    notifier = Notifier()
+    _drain.seconds, _drain.notifier = args.drain_seconds, notifier
+    HealthNotifier(f"{scheme}://{_url_host(args.host)}:{args.port}/health", notifier, staged, name).start()
     sys.argv = [f"{sys.argv[0]} serve --engine vllm", *vllm_argv(options)]
     try:
         vllm_main()
@@ -222,6 +315,19 @@ def run(args: argparse.Namespace, key: SigningKey | None, token: str | None) -> 
         if staged is not None:
             shutil.rmtree(staged.path, ignore_errors=True)
     return 0
+
+
+def not_hugging_face(model: Path) -> str | None:
+    """Why vLLM cannot load this directory, before it fails with a traceback: it loads Hugging Face layouts only."""
+    try:
+        config = json.loads((model / "config.json").read_text())
+    except (OSError, ValueError) as exc:
+        return f"{model}/config.json: {getattr(exc, 'strerror', None) or exc}"
+    if not isinstance(config, dict) or "model_type" not in config:
+        return (f"{model} is not a Hugging Face model directory (its config.json has no model_type): vLLM loads "
+                "those only; export with --format hf (`shardstack serve publish` does when an inference node runs "
+                "vLLM)")
+    return None
 
 
 def _has_cuda() -> bool:
