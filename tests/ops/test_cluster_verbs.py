@@ -230,9 +230,21 @@ def test_prepare_runs_shardstack_as_the_job_account() -> None:
                     "/srv/s/data/raw", "--out", "/srv/s/data/tok", "--tokenizer", "/srv/s/pretrained/m", "--json",
                     "--workers", "4"]
     assert storage.export_argv("/v", "/c/step_00000060", "/e/j") == [
-        "/v/bin/shardstack", "export", "--checkpoint", "/c/step_00000060", "--out", "/e/j"]
+        "/v/bin/shardstack", "export", "--checkpoint", "/c/step_00000060", "--out", "/e/j", "--format", "shardstack"]
     assert storage.export_argv("/v", "/c", "/e/j", key_file="/k")[-2:] == ["--key-file", "/k"]
     assert storage.export_argv("/v", "/c", "/e/j", key_file="/k", allow_unsigned=True)[-1] == "--allow-unsigned"
+    assert storage.export_argv("/v", "/c", "/e/j", fmt="hf")[-2:] == ["--format", "hf"]
+
+
+def test_the_export_for_the_inference_tier_is_a_hugging_face_directory_once_a_node_runs_vllm() -> None:
+    """vLLM loads Hugging Face directories only; the built-in engine loads both, so one vLLM node decides."""
+    groups = {"inference_nodes": ["n2", "n3"]}
+    builtin = Cluster(Path("hosts.yml"), groups, {"n2": {}, "n3": {"inference_service_engine": "builtin"}})
+    mixed = Cluster(Path("hosts.yml"), groups, {"n2": {}, "n3": {"inference_service_engine": "vllm"}})
+    assert storage.serving_format(builtin) == "shardstack"
+    assert storage.serving_format(mixed) == "hf"
+    assert storage.serving_format(Cluster(Path("hosts.yml"), {}, {})) == "shardstack"
+    assert mixed.host_setting("inference_service_engine", "inference_service", "n2") == "builtin"  # role default
 
 
 @needs_root
@@ -305,7 +317,7 @@ def test_publish_exports_on_the_node_and_switches_current(ref: str, step: int, s
     key = ["--key-file", "/etc/k.key"] if signed else ["--allow-unsigned"]
     ran = log.read_text().splitlines()
     export = " ".join(["export", "--checkpoint", f"{shared}/checkpoints/{job}/step_{step:08d}", "--out",
-                       f"{shared}/exports/{name}", *key])
+                       f"{shared}/exports/{name}", "--format", "shardstack", *key])  # no vLLM node: ours
     assert ran[-1] == export
     if "@" not in ref:  # the newest valid checkpoint, as `checkpoint ls` reports it, was asked for first
         assert ran == [" ".join(["checkpoint", "ls", f"{shared}/checkpoints/{job}", "--json", *key]), export]

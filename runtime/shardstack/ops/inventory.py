@@ -94,7 +94,13 @@ class Cluster:
     def setting(self, name: str, role: str, group_name: str = "all") -> Any:
         """A variable as the roles see it on the group's first host: the inventory's value, else the role's default.
         Only plain values resolve here (no play runs): a default that is a template must be set in the inventory."""
-        hostvars = self.first_hostvars(group_name)
+        hosts = self.hosts(group_name)
+        return self.host_setting(name, role, hosts[0] if hosts else None)
+
+    def host_setting(self, name: str, role: str, host: str | None) -> Any:
+        """A variable as the roles see it on this host (None: on none): the inventory's value, else the role's
+        default; plain values only, as for `setting`."""
+        hostvars = self.hostvars.get(host, {}) if host else {}
         value = hostvars[name] if name in hostvars else role_default(role, name)
         if isinstance(value, str) and "{{" in value:
             raise ShardstackError(f"{name}={value!r} is a template; only plain values resolve outside a play",

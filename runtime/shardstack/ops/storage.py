@@ -27,10 +27,10 @@ class ClusterExport:
 
 
 def export_argv(venv: str, checkpoint: str, out: str, *, key_file: str | None = None,
-                allow_unsigned: bool = False) -> list[str]:
+                allow_unsigned: bool = False, fmt: str = "shardstack") -> list[str]:
     """`shardstack export` as the node runs it: with the node's signing key (the default one, or the job's
     checkpoint.signing_key_file), or --allow-unsigned for a job that signs nothing."""
-    argv = [f"{venv}/bin/shardstack", "export", "--checkpoint", checkpoint, "--out", out]
+    argv = [f"{venv}/bin/shardstack", "export", "--checkpoint", checkpoint, "--out", out, "--format", fmt]
     if allow_unsigned:
         argv.append("--allow-unsigned")
     elif key_file:
@@ -38,11 +38,19 @@ def export_argv(venv: str, checkpoint: str, out: str, *, key_file: str | None = 
     return argv
 
 
+def serving_format(cluster: Cluster) -> str:
+    """The export format the inference tier loads: a Hugging Face directory when an inference node runs vLLM (which
+    loads nothing else; the built-in engine loads both), else shardstack's own."""
+    engines = {cluster.host_setting("inference_service_engine", "inference_service", host)
+               for host in cluster.hosts("inference_nodes")}
+    return "hf" if "vllm" in engines else "shardstack"
+
+
 def export_current(cluster: Cluster, checkpoint_dir: str, name: str, *, key_file: str | None = None,
                    allow_unsigned: bool = False) -> ClusterExport:
     """Export a checkpoint (a step directory, or a checkpoint root: its newest valid checkpoint) to
-    <shared>/exports/<name> on the first train node, as the job account with the node's signing key, and point
-    <shared>/exports/current at it.
+    <shared>/exports/<name> on the first train node, as the job account with the node's signing key, in the format
+    the inference tier loads (serving_format), and point <shared>/exports/current at it.
 
     The switch is a symlink rename, so an inference node (re)starting at any moment sees either the old or the
     new model, never half of one.
@@ -52,7 +60,8 @@ def export_current(cluster: Cluster, checkpoint_dir: str, name: str, *, key_file
     models = f"{cluster.shared_dir}/exports"
     out = f"{models}/{name}"
     script = " && ".join(shlex.join(c) for c in (
-        export_argv(venv, checkpoint_dir, out, key_file=key_file, allow_unsigned=allow_unsigned),
+        export_argv(venv, checkpoint_dir, out, key_file=key_file, allow_unsigned=allow_unsigned,
+                    fmt=serving_format(cluster)),
         ["ln", "-sfn", "--no-target-directory", name, f"{models}/.current.tmp"],
         ["mv", "-T", f"{models}/.current.tmp", f"{models}/current"]))
     res = run_command(["runuser", "-u", cluster.job_account, "--", "sh", "-c", script], cluster.path, head)[head]
