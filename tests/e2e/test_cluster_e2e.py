@@ -19,7 +19,8 @@ train node drained under a 2-node job (the job stops at a checkpoint, the resubm
 firewall dropping what its port plan does not name; and, after all of it, no secret in any ansible-runner artifact or
 molecule file.
 
-Takes ~10–15 min on the idle 2-core host with its own lab (site.yml's first run ~6 min) and up to 40 min under load.
+Takes ~18 min under molecule default (with `make test`'s other stages beside it) and ~20–25 min with its own lab
+(site.yml's first run ~5 min with the vLLM node); up to 40 min under load.
 It runs with SHARDSTACK_E2E=1: `make e2e` on a lab of its own, or `make test` through molecule default's verify on
 that scenario's cluster (SHARDSTACK_E2E_INVENTORY); a plain `pytest` skips it so the unit run stays short.
 """
