@@ -11,6 +11,7 @@ import shutil
 import subprocess
 import sys
 import tarfile
+import time
 from pathlib import Path
 
 import pytest
@@ -167,8 +168,16 @@ def test_the_cpu_wheelhouse_is_complete_hash_locked_and_cached(tmp_path: Path) -
     assert sorted(line.split(":")[-1] for line in lock) == sorted(manifest["files"].values())
     with tarfile.open(first.path / wheelhouse.ARCHIVE) as tar:
         assert set(tar.getnames()) == names | {"manifest.json", wheelhouse.LOCK, wheelhouse.OWN_LOCK}
+    # Another commit's wheelhouse, last used two days ago, goes; this one, as old, is in use again and stays.
+    stale = cache / "cpu" / "0123456789abcdef"
+    stale.mkdir()
+    (stale / wheelhouse.ARCHIVE).write_bytes(b"x")
+    for d in (stale, first.path):
+        os.utime(d, (0, time.time() - 2 * 86400))
     again = wheelhouse.build(project_dir(), cache, accel=accel, log=lambda _m: None)
     assert not again.built and again.path == first.path and again.shardstack_sha256 == first.shardstack_sha256
+    assert not stale.exists() and first.path.stat().st_mtime > time.time() - 60
+    assert (cache / "cpu" / manifest["deps_key"] / "deps.lock").is_file()
 
     # What a node runs, offline: every file checked against the lock; one changed byte is refused.
     def node_install(wheels: Path) -> subprocess.CompletedProcess[str]:
@@ -187,6 +196,21 @@ def test_the_cpu_wheelhouse_is_complete_hash_locked_and_cached(tmp_path: Path) -
     victim.write_bytes(data[:-1] + bytes([data[-1] ^ 1]))
     bad = node_install(tampered)
     assert bad.returncode != 0 and "DO NOT MATCH THE HASHES" in bad.stderr
+
+
+def test_prune_removes_what_went_unused_for_a_day_and_keeps_what_is_in_use(tmp_path: Path) -> None:
+    now = time.time()
+    ages = {"aaaa": 2, "deps-old": 3, ".bbbb.tmp123": 2, "cccc": 0.5, "deps-new": 0.1, "dddd": 5}
+    for name, days in ages.items():
+        (tmp_path / name).mkdir()
+        (tmp_path / name / "f").write_text(name)
+        os.utime(tmp_path / name, (0, now - days * 86400))
+    said: list[str] = []
+    gone = wheelhouse.prune(tmp_path, {tmp_path / "dddd"}, said.append, now=now)
+    assert sorted(d.name for d in gone) == [".bbbb.tmp123", "aaaa", "deps-old"]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["cccc", "dddd", "deps-new"]
+    assert said == [f"wheelhouse: removed 3 unused for 24 h from {tmp_path}: .bbbb.tmp123, aaaa, deps-old"]
+    assert wheelhouse.prune(tmp_path / "absent", set(), said.append) == [] and len(said) == 1
 
 
 def test_ray_is_in_the_vllm_lock_of_cuda_classes_only() -> None:

@@ -16,7 +16,9 @@ Cache, per class:
 
 Dependencies only change with pyproject.toml (or the class table), so a code change costs one small
 `pip wheel --no-deps`. The shardstack wheel is rebuilt only when the source hash changes, so the bytes (and the
-nodes' install stamps) stay the same between deploys and a re-run of site.yml changes nothing.
+nodes' install stamps) stay the same between deploys and a re-run of site.yml changes nothing. Each new source still
+adds a wheelhouse archive (~1 GiB for vLLM's): every build touches the directories it uses and removes those of its
+class unused for PRUNE_AFTER_S, so a cache that serves many commits does not fill the disk.
 """
 
 from __future__ import annotations
@@ -52,6 +54,8 @@ ARCHIVE = "wheelhouse.tar"
 LOCK = "requirements.lock"
 OWN_LOCK = "shardstack.lock"
 _SKIP_DIRS = {"__pycache__", ".pytest_cache"}
+# Longer than any deploy that reads a wheelhouse: one unused for this long belongs to an older source.
+PRUNE_AFTER_S = 86400
 
 
 def cache_root() -> Path:
@@ -183,6 +187,28 @@ def _fetch_deps(project: Path, accel: AcceleratorClass, venv: Venv, python: tupl
     (dest / "deps.lock").write_text("\n".join(lines) + "\n")
 
 
+def _used(path: Path) -> Path:
+    """Mark the directory as in use now (its mtime is what prune() reads)."""
+    if path.is_dir():
+        os.utime(path)
+    return path
+
+
+def prune(root: Path, keep: set[Path], log: Callable[[str], None] = print, now: float | None = None) -> list[Path]:
+    """Remove the wheelhouses, dependency sets and abandoned temporaries under one class directory that were last
+    used more than PRUNE_AFTER_S ago, except `keep`; return what went."""
+    cutoff = (now if now is not None else time.time()) - PRUNE_AFTER_S
+    gone = []
+    for d in sorted(root.iterdir()) if root.is_dir() else []:
+        if d.is_dir() and d not in keep and d.stat().st_mtime < cutoff:
+            shutil.rmtree(d, ignore_errors=True)
+            gone.append(d)
+    if gone:
+        log(f"wheelhouse: removed {len(gone)} unused for {PRUNE_AFTER_S // 3600} h from {root}: "
+            + ", ".join(d.name for d in gone))
+    return gone
+
+
 def dependencies(project: Path, cache: Path | None = None, *, accel: AcceleratorClass, venv: Venv = RUNTIME,
                  python: tuple[int, int] = DEFAULT_PYTHON, log: Callable[[str], None] = print) -> Path:
     """The directory of the venv's dependencies (wheels + deps.lock) for the class and the nodes' Python, fetched
@@ -192,7 +218,7 @@ def dependencies(project: Path, cache: Path | None = None, *, accel: Accelerator
         log(f"wheelhouse: fetching the {accel.name} dependencies of {venv.requirement(accel)} for CPython "
             f"{python[0]}.{python[1]} into {deps} (once per pyproject.toml)")
         _atomic_dir(deps, lambda tmp: _fetch_deps(project, accel, venv, python, tmp, log))
-    return deps
+    return _used(deps)
 
 
 def build(project: Path, cache: Path | None = None, *, accel: AcceleratorClass | None = None,
@@ -243,6 +269,7 @@ def build(project: Path, cache: Path | None = None, *, accel: AcceleratorClass |
 
         _atomic_dir(final, fill)
     manifest = json.loads((final / "manifest.json").read_text())
+    prune(root, {_used(final), _used(root / manifest["deps_key"])}, log)
     wheels = list(final.glob("*.whl"))
     return Wheelhouse(path=final, key=manifest["key"], accelerator=manifest["accelerator"],
                       python=manifest.get("python", "{}.{}".format(*DEFAULT_PYTHON)), torch=manifest["torch"],
