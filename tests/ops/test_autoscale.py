@@ -3,11 +3,25 @@ cooldowns, the maximum, scale to and from zero, and a schedule floor."""
 
 from __future__ import annotations
 
-from datetime import datetime, time
+import functools
+import itertools
+import json
+import shutil
+import socket
+import subprocess
+import threading
+import time
+from collections.abc import Callable, Iterator
+from datetime import datetime
+from datetime import time as clock
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from pathlib import Path
 
 import pytest
+from prometheus_client.parser import text_string_to_metric_families
 from shardstack.errors import ShardstackError
-from shardstack.ops.autoscale import Policy, ScheduleFloor, Signals, decide
+from shardstack.ops.autoscale import Policy, ScheduleFloor, Signals, decide, read_signals, write_metrics
+from shardstack.ops.status import prom_query
 
 NOON = datetime(2026, 12, 3, 12, 0)
 NIGHT = datetime(2026, 12, 3, 2, 30)
@@ -71,7 +85,7 @@ def test_scale_to_zero_and_back() -> None:
 
 def test_a_schedule_floor_holds_while_in_force() -> None:
     policy = Policy(min_replicas=1, max_replicas=3, down_cooldown=0,
-                    floors=(ScheduleFloor.parse("08:00-20:00=2"), ScheduleFloor(time(23), time(1), 3)))
+                    floors=(ScheduleFloor.parse("08:00-20:00=2"), ScheduleFloor(clock(23), clock(1), 3)))
     assert _at(1, running=0, policy=policy).action == "up"  # noon: the day's floor of 2
     assert _at(1, running=0, policy=policy).reason == "below the floor of 2"
     assert _at(2, running=0, policy=policy).action == "hold"
@@ -92,7 +106,127 @@ def test_bad_schedule_floors_are_refused(spec: str) -> None:
 
 
 @pytest.mark.parametrize("kwargs", [{"min_replicas": 3, "max_replicas": 2}, {"target_load": 0},
-                                    {"scale_down_ratio": 1.0}, {"floors": (ScheduleFloor(time(1), time(2), 9),)}])
+                                    {"scale_down_ratio": 1.0}, {"floors": (ScheduleFloor(clock(1), clock(2), 9),)}])
 def test_bad_policies_are_refused(kwargs: dict) -> None:
     with pytest.raises(ShardstackError, match="autoscale policy: need"):
         Policy(**kwargs)
+
+
+# The signals as a real Prometheus has them: one built-in replica and one vLLM replica (whose raw series the role's
+# recording rules rename), and HAProxy's backend queue, scraped every second from targets whose counters grow.
+RULES = Path(__file__).resolve().parents[2] / "roles" / "prometheus" / "files" / "rules" / "vllm.rules.yml"
+BUCKETS = (("0.1", 0), ("0.5", 5), ("1.0", 10), ("+Inf", 10))  # per scrape: 10 first tokens, half under 0.5 s
+
+
+def _builtin(n: int) -> str:
+    return "".join([
+        "shardstack_infer_requests_running 3\nshardstack_infer_requests_waiting 1\n",
+        f'shardstack_infer_requests_total{{code="200",api_key="-"}} {10 * n}\n',
+        f'shardstack_infer_requests_total{{code="429",api_key="-"}} {2 * n}\n',
+        *(f'shardstack_infer_time_to_first_token_seconds_bucket{{le="{le}"}} {c * n}\n' for le, c in BUCKETS)])
+
+
+def _vllm(n: int) -> str:
+    labels = 'model_name="m",engine="0"'
+    return "".join([
+        f"vllm:num_requests_running{{{labels}}} 2\nvllm:num_requests_waiting{{{labels}}} 4\n",
+        f'http_requests_total{{handler="/v1/completions",method="POST",status="2xx"}} {10 * n}\n',
+        *(f'vllm:time_to_first_token_seconds_bucket{{{labels},le="{le}"}} {10 * n}\n' for le, _ in BUCKETS)])
+
+
+def _haproxy(_n: int) -> str:
+    return 'haproxy_backend_current_queue{proxy="inference"} 3\nhaproxy_backend_current_queue{proxy="stats"} 7\n'
+
+
+def _target(render: Callable[[int], str]) -> ThreadingHTTPServer:
+    scrapes = itertools.count(1)
+
+    class Handler(BaseHTTPRequestHandler):
+        def do_GET(self) -> None:
+            body = render(next(scrapes)).encode()
+            self.send_response(200)
+            self.send_header("Content-Type", "text/plain; version=0.0.4")
+            self.send_header("Content-Length", str(len(body)))
+            self.end_headers()
+            self.wfile.write(body)
+
+        def log_message(self, *_args: object) -> None:
+            pass
+
+    server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    return server
+
+
+@pytest.fixture
+def prometheus(tmp_path: Path) -> Iterator[str]:
+    servers = {"inference": [_target(_builtin), _target(_vllm)], "loadbalancer": [_target(_haproxy)]}
+    config = {"global": {"scrape_interval": "1s", "evaluation_interval": "1s"}, "rule_files": [str(RULES)],
+              "scrape_configs": [{"job_name": job, "static_configs": [
+                  {"targets": [f"127.0.0.1:{s.server_address[1]}" for s in group]}]}
+                  for job, group in servers.items()]}
+    (tmp_path / "prometheus.yml").write_text(json.dumps(config))
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    base = f"http://127.0.0.1:{port}"
+    with (tmp_path / "prometheus.log").open("w") as log:
+        proc = subprocess.Popen([shutil.which("prometheus") or "/usr/bin/prometheus",
+                                 f"--config.file={tmp_path / 'prometheus.yml'}",
+                                 f"--storage.tsdb.path={tmp_path / 'data'}", f"--web.listen-address=127.0.0.1:{port}"],
+                                stdout=log, stderr=subprocess.STDOUT)
+    try:
+        yield base
+    finally:
+        proc.terminate()
+        proc.wait(timeout=30)
+        for group in servers.values():
+            for s in group:
+                s.shutdown()
+
+
+def test_the_signals_from_a_real_prometheus_sum_both_engines_and_the_edges_queue(prometheus: str) -> None:
+    query = functools.partial(prom_query, prometheus)
+    deadline = time.monotonic() + 60
+
+    def settled(got: Signals | None) -> bool:
+        """The 5 s window full of samples from every target: before that the rates are extrapolated from a few."""
+        return bool(got and got.running == 5 and got.ttft_p95 is not None and 1.5 <= got.refused_per_second <= 2.5
+                    and got.ttft_p95 == pytest.approx(0.9, abs=0.05))
+
+    got = None
+    while not settled(got):
+        assert time.monotonic() < deadline, f"Prometheus never had the signals: {got}"
+        time.sleep(0.5)
+        try:
+            got = read_signals(query, replicas=2, window="5s")
+        except ShardstackError:  # not listening yet
+            got = None
+    # 3 + 2 running; 1 + 4 waiting in the engines and 3 in HAProxy's inference queue (not the stats one). Settled:
+    # 2 refusals per 1 s scrape, the built-in engine's only; 20 first tokens per scrape, 10 under 0.1 s (vLLM's),
+    # 5 more under 0.5 s, so the 19th of 20 falls at 0.9 s.
+    assert (got.replicas, got.running, got.waiting) == (2, 5, 8)
+
+
+def test_no_series_reads_as_an_idle_tier_and_a_bad_window_is_refused() -> None:
+    assert read_signals(lambda _q: [], 3) == Signals(3, 0.0, 0.0, None, 0.0)
+    with pytest.raises(ShardstackError, match="expected a Prometheus duration"):
+        read_signals(lambda _q: [], 3, window="1m]) or vector(1")
+
+
+def test_the_decision_as_textfile_metrics_promtool_accepts(tmp_path: Path) -> None:
+    d = _at(2, running=30, waiting=10, ttft=3.0, since=10)
+    path = tmp_path / "autoscale.prom"
+    write_metrics(path, d, POLICY, {"up": 2, "hold": 7}, now=1_700_000_000.0)
+    text = path.read_text()
+    values = {(s.name, tuple(sorted(s.labels.items()))): s.value
+              for family in text_string_to_metric_families(text) for s in family.samples}
+    assert values[("shardstack_autoscale_replicas", (("kind", "current"),))] == 2
+    assert values[("shardstack_autoscale_replicas", (("kind", "wanted"),))] == 2  # in the cooldown: hold
+    assert values[("shardstack_autoscale_saturated", ())] == 1
+    assert values[("shardstack_autoscale_max_replicas", ())] == 3
+    assert values[("shardstack_autoscale_signal", (("name", "ttft_p95_seconds"),))] == 3.0
+    assert values[("shardstack_autoscale_decisions_total", (("action", "hold"),))] == 7
+    assert values[("shardstack_autoscale_last_decision_timestamp_seconds", ())] == 1_700_000_000.0
+    check = subprocess.run(["promtool", "check", "metrics"], input=text, capture_output=True, text=True)
+    assert check.returncode == 0, check.stdout + check.stderr

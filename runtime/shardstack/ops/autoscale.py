@@ -19,10 +19,13 @@ from __future__ import annotations
 
 import math
 import re
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, field
 from datetime import datetime, time
+from pathlib import Path
 from typing import Any, Literal
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, write_to_textfile
 
 from shardstack.errors import ShardstackError
 
@@ -157,3 +160,67 @@ def decide(policy: Policy, signals: Signals, *, now: datetime, since_change: flo
                                      f"{policy.down_cooldown:g}s)")
     return made(fewer, "down", f"idle: load {load:g} over {fewer} replica(s) < "
                                f"{policy.scale_down_ratio:g} × {policy.target_load:g}")
+
+
+# What the autoscaler reads, as Prometheus instant queries over every replica of the tier whichever its engine
+# (vllm.rules.yml records vLLM's series under the built-in engine's names). HAProxy's queue for the backend counts
+# as waiting: requests that found every replica at its connection limit wait there, not in an engine. Refusals are
+# the built-in engine's 429s (its admission queue full); vLLM queues without refusing, and the edge's own 429s are
+# per-client rate limits, which more replicas would not lift.
+SIGNAL_QUERIES = {
+    "running": 'sum(shardstack_infer_requests_running{job="inference"})',
+    "waiting": 'sum(shardstack_infer_requests_waiting{job="inference"})',
+    "edge_waiting": 'sum(haproxy_backend_current_queue{job="loadbalancer",proxy="inference"})',
+    "ttft_p95": 'histogram_quantile(0.95, sum by (le) '
+                '(rate(shardstack_infer_time_to_first_token_seconds_bucket{job="inference"}[WINDOW])))',
+    "refused_per_second": 'sum(rate(shardstack_infer_requests_total{job="inference",code="429"}[WINDOW]))',
+}
+
+Query = Callable[[str], list[dict[str, Any]]]
+
+
+def _scalar(query: Query, promql: str) -> float | None:
+    """The value of a one-element vector; None when it is empty or not a number (a quantile of no requests)."""
+    result = query(promql)
+    if not result:
+        return None
+    value = float(result[0]["value"][1])
+    return None if math.isnan(value) or math.isinf(value) else value
+
+
+def read_signals(query: Query, replicas: int, window: str = "1m") -> Signals:
+    """The tier's signals from Prometheus (`query`: an instant query, e.g. ops.status.prom_query bound to a URL);
+    `window`: the range the rates and the TTFT quantile are taken over."""
+    if not re.fullmatch(r"[1-9][0-9]*[smh]", window):
+        raise ShardstackError(f"autoscale window {window!r}: expected a Prometheus duration such as 1m or 90s")
+    got = {name: _scalar(query, promql.replace("WINDOW", window)) for name, promql in SIGNAL_QUERIES.items()}
+    return Signals(replicas=replicas, running=got["running"] or 0.0,
+                   waiting=(got["waiting"] or 0.0) + (got["edge_waiting"] or 0.0),
+                   ttft_p95=got["ttft_p95"], refused_per_second=got["refused_per_second"] or 0.0)
+
+
+def write_metrics(path: Path, decision: Decision, policy: Policy, decisions: dict[str, int], now: float) -> None:
+    """The decision as node_exporter textfile metrics (atomically replaced): what the alerts and `status` read.
+    `decisions`: how many of each action so far (the caller keeps the count across restarts)."""
+    registry = CollectorRegistry()
+    replicas = Gauge("shardstack_autoscale_replicas", "Inference replicas: current, and wanted by the last decision",
+                     ["kind"], registry=registry)
+    replicas.labels("current").set(decision.signals.replicas)
+    replicas.labels("wanted").set(decision.replicas)
+    for name, value, doc in (("min_replicas", policy.min_replicas, "The policy's minimum"),
+                             ("max_replicas", policy.max_replicas, "The policy's maximum"),
+                             ("floor", decision.floor, "The floor in force (min_replicas or a schedule's)"),
+                             ("saturated", int(decision.saturated), "1 when the last decision found the tier "
+                                                                   "saturated"),
+                             ("last_decision_timestamp_seconds", now, "When the autoscaler last decided")):
+        Gauge(f"shardstack_autoscale_{name}", doc, registry=registry).set(value)
+    signal = Gauge("shardstack_autoscale_signal", "The inputs of the last decision", ["name"], registry=registry)
+    s = decision.signals
+    for name, value in (("running", s.running), ("waiting", s.waiting), ("refused_per_second", s.refused_per_second),
+                        ("ttft_p95_seconds", s.ttft_p95)):
+        if value is not None:
+            signal.labels(name).set(value)
+    total = Counter("shardstack_autoscale_decisions", "Decisions made, by action", ["action"], registry=registry)
+    for action in ("up", "down", "hold"):
+        total.labels(action).inc(decisions.get(action, 0))
+    write_to_textfile(str(path), registry)
