@@ -1,7 +1,8 @@
 """The inference autoscaler's decision: from the tier's load (what Prometheus records for every replica, whichever
 engine) to a replica count between a floor and `max_replicas`, with hysteresis and cooldowns, so a noisy minute
-neither adds nor removes a replica. Pure: the caller reads the signals and carries the state; every decision keeps
-its inputs, so a log line or a metric can say why.
+neither adds nor removes a replica. `decide` is pure: the caller reads the signals (`read_signals`, from
+Prometheus) and carries the state; every decision keeps its inputs, so a log line or a metric (`write_metrics`, a
+node_exporter textfile) can say why.
 
 The rule, per evaluation:
 - the floor is `min_replicas`, or a schedule's higher floor while it is in force (e.g. the day's peak hours);
