@@ -2,8 +2,9 @@
 the Python API `shardstack train` uses (ansible-runner underneath).
 
 A 2-node job queued with `train submit` runs to completion with the losses of the same job on the systemd path, and
-sacct has its usage under its account; a job beyond its QOS stays pending with the QOS reason; a job whose node's
-slurmd is killed is requeued and resumes from its checkpoint; `train stop` ends a job at a checkpoint.
+sacct has its usage under its account; a job beyond its QOS stays pending with the QOS reason; a job of the inference
+QOS preempts a training job, which checkpoints, is requeued and resumes with an uninterrupted run's losses; a job
+whose node's slurmd is killed is requeued and resumes from its checkpoint; `train stop` ends a job at a checkpoint.
 
 Runs in molecule slurm's verify (SHARDSTACK_SLURM_INVENTORY, ~4 min); a plain `pytest` skips it.
 """
@@ -49,7 +50,7 @@ def _checkpoints(cluster: Cluster, name: str) -> str:
     return f"{shared}/checkpoints/{name}"
 
 
-def _job(cluster: Cluster, name: str, steps: int, interval: int) -> dict[str, Any]:
+def _job(cluster: Cluster, name: str, steps: int, interval: int, log_every: int = 1) -> dict[str, Any]:
     shared = _checkpoints(cluster, name).rsplit("/checkpoints/", 1)[0]
     return config_from_dict({
         "model": {"size": "tiny"},
@@ -58,7 +59,7 @@ def _job(cluster: Cluster, name: str, steps: int, interval: int) -> dict[str, An
         "schedule": {"warmup_steps": 2, "total_steps": steps},
         "batch": {"global_batch": 4, "micro_batch": 2},
         "checkpoint": {"dir": _checkpoints(cluster, name), "interval": interval},
-        "metrics": {"port": 0, "log_every": 1},
+        "metrics": {"port": 0, "log_every": log_every},
     }).to_dict()
 
 
@@ -161,6 +162,73 @@ def test_a_job_beyond_its_qos_stays_pending_with_the_qos_reason(cluster: Cluster
     assert all(train.stop("over-qos", cluster).values())
     done = _wait("the cancel", lambda: (s := train.status("over-qos", cluster)).state == "stopped" and s)
     print(f"\nslurm: 2 nodes with QOS small: {st.slurm.state} ({st.slurm.reason}); stop → {done.slurm.state}")
+
+
+def _sbatch(inv: Path, args: list[str]):
+    """sbatch as the runtime's service account, the user the inference account is granted to, on the controller."""
+    return next(iter(run_command(["runuser", "-u", "shardstack", "--", "sbatch", "--parsable", "--chdir=/tmp",
+                                  "--output=/dev/null", *args], inv, CONTROLLER).values()))
+
+
+def test_an_inference_qos_job_preempts_training_which_checkpoints_is_requeued_and_resumes(cluster: Cluster,
+                                                                                          inv: Path) -> None:
+    # Only the inference account may use the inference QOS: a team's account is refused at submission.
+    refused = _sbatch(inv, ["--account=research", "--qos=inference", "--wrap=true"])
+    assert not refused.success and "Invalid qos" in refused.stdout + refused.stderr, refused
+    # A tiny model takes ~0.05 s a step here: enough steps that the preemption lands mid-run, the loss of every 10th.
+    name, ref, steps, every = "preempted", "preempt-ref", 300, 10
+    logged = list(range(every, steps + 1, every))
+    _fresh(cluster, name, ref)
+    ref_started = time.time()
+    sub = train.submit(_job(cluster, ref, steps, 100, every), ref, cluster, nodes=2, account="research")
+    assert sub.success, {h: (r.failed_task, r.message) for h, r in sub.hosts.items()}
+    assert train.wait_job(ref, cluster, timeout=600, poll=3).state == "finished"
+    # This run's lines only (since it was submitted): a journal may hold an earlier run under the same name.
+    ref_losses = _losses({"": _journal(inv, ref, ref_started, '"loss"')})
+    assert sorted(ref_losses) == logged, ref_losses
+
+    started = time.time()
+    sub = train.submit(_job(cluster, name, steps, 100, every), name, cluster, nodes=2, account="research")
+    assert sub.success, {h: (r.failed_task, r.message) for h, r in sub.hosts.items()}
+    st = _wait("step 5", lambda: (s := train.status(name, cluster)).last_step and s.last_step["step"] >= 5 and s,
+               timeout=600)
+    job_id = st.slurm.job_id
+    # One node, exclusive, as a replica asks for it: the training job holds both nodes, so Slurm preempts it.
+    preemptor = _sbatch(inv, ["--account=inference", "--qos=inference", "--nodes=1", "--exclusive",
+                              "--job-name=inference-preemptor", "--wrap=sleep 15"])
+    assert preemptor.success, preemptor
+    preemptor_id = preemptor.stdout.strip().split(";")[0]
+    _wait("the preemptor's start", lambda: _scontrol_job(inv, preemptor_id)["JobState"] in ("RUNNING", "COMPLETED"),
+          timeout=120, poll=1)
+    final = train.wait_job(name, cluster, timeout=600, poll=3)
+    assert final.state == "finished", final.to_dict()
+
+    # SIGUSR1 at preemption: a checkpoint at the step the ranks stopped after, the requeue from the head node, and
+    # the next run resumed from that step.
+    saved = re.findall(r"stopping after step (\d+) on (?:SIGUSR1|a signal on another rank)",
+                       _journal(inv, name, started, "stopping after step"))
+    requeued = _journal(inv, name, started, "requeueing it")
+    resumed = re.findall(r"resumed from \S*/step_(\d+) ", _journal(inv, name, started, "resumed from"))
+    assert saved and 5 <= int(saved[0]) < steps and [int(r) for r in resumed] == [int(saved[0])], (saved, resumed)
+    assert f"job {job_id} preempted: stopped with exit code 0, requeueing it" in requeued, requeued
+    # The losses continue as the uninterrupted run's.
+    losses = _losses({"": _journal(inv, name, started, '"loss"')})
+    assert set(logged) <= set(losses), losses
+    worst = max(abs(losses[k] - ref_losses[k]) / max(1.0, abs(ref_losses[k])) for k in logged)
+    assert worst <= 1e-5, (losses, ref_losses)
+    runs = _controller(inv, ["sacct", "--noheader", "--parsable2", "--allocations", "--duplicates", "--jobs", job_id,
+                             "--format", "State,Start,End"]).split()
+    other = _controller(inv, ["sacct", "--noheader", "--parsable2", "--allocations", "--jobs", preemptor_id,
+                              "--format", "State,Start,End,Account,QOS"]).strip()
+    # Slurm 22.05 records the self-requeued run as REQUEUED, 24.05 and later as PREEMPTED.
+    assert runs[0].split("|")[0] in ("PREEMPTED", "REQUEUED") and runs[-1].startswith("COMPLETED|"), runs
+    assert other.startswith("COMPLETED|") and other.endswith("|inference|inference"), other
+    # The preemptor started once the first run had ended, and the training job got its nodes back after it.
+    assert runs[0].split("|")[2] <= other.split("|")[1] <= other.split("|")[2] <= runs[-1].split("|")[1], (runs, other)
+    print(f"\nslurm: job {job_id} preempted at step {st.last_step['step']} by {preemptor_id} (QOS inference): "
+          f"stopped after step {saved[0]}, requeued, resumed from step {int(resumed[0])}, finished {steps} steps; "
+          f"max relative loss difference to the uninterrupted run {worst:.1e}; runs {' → '.join(runs)}; "
+          f"preemptor {other}")
 
 
 def test_a_killed_slurmd_requeues_the_job_which_resumes_from_its_checkpoint(cluster: Cluster, inv: Path) -> None:

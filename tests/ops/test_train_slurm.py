@@ -103,7 +103,7 @@ def test_the_batch_script_is_bash_and_runs_one_torchrun_agent_per_node(tmp_path:
     assert "exec srun --kill-on-bad-exit=1 --ntasks-per-node=1 " in text
     argv = inner.group(1)
     for part in ("set -a; . /etc/shardstack/train.env; set +a",
-                 "exec systemd-cat --identifier=shardstack-train-run1",
+                 "systemd-cat --identifier=shardstack-train-run1",
                  "/opt/shardstack/venv/bin/torchrun",
                  '--nnodes="$SLURM_JOB_NUM_NODES" --nproc-per-node="${SLURM_GPUS_ON_NODE:-1}"',
                  '--rdzv-endpoint="$SHARDSTACK_RDZV_ENDPOINT" --rdzv-id="$SHARDSTACK_RDZV_ID"',

@@ -51,7 +51,9 @@ def test_slurm_conf_nodes_gres_and_partition(role_eval: Any, debian_container: d
             "ThreadsPerCore=2 RealMemory=500000 Gres=gpu:2 State=UNKNOWN") in lines
     cpu_line = next(line for line in lines if line.startswith("NodeName=cpu01"))
     assert "Gres=" not in cpu_line and "RealMemory=250000" in cpu_line  # CPU-only nodes declare no GRES
-    assert "PartitionName=train Nodes=gpu01,cpu01 Default=YES MaxTime=INFINITE GraceTime=300 State=UP" in lines
+    assert "PartitionName=train Nodes=gpu01,cpu01 Default=YES MaxTime=INFINITE State=UP" in lines
+    # Preemption by QOS, the preempted job requeued (no QOS preempts another unless slurm_qos says so).
+    assert {"PreemptType=preempt/qos", "PreemptMode=REQUEUE"} <= set(lines)
     assert lines[-1] == "Include /etc/slurm/scheduling.conf"
 
 
@@ -118,15 +120,16 @@ def test_scheduling_conf_requeue_and_priorities(role_eval: Any, debian_container
     lines = _lines(r.render("scheduling.conf.j2"))
     assert {"JobRequeue=1", "ReturnToService=1", "SlurmdTimeout=300", "KillWait=330",
             "PriorityWeightFairshare=10000", "SchedulerType=sched/backfill"} <= set(lines)
-    # A preempted training job gets its SIGUSR1 at once and GraceTime (slurm.conf) to save a checkpoint.
-    assert "SchedulerParameters=preempt_send_user_signal" in lines
+    # A preempted training job gets its SIGUSR1 at once and its QOS's GraceTime to save a checkpoint. Slurm 22.05 reads
+    # the flag from SlurmctldParameters only: under SchedulerParameters it is ignored, and the job gets SIGTERM.
+    assert "SlurmctldParameters=preempt_send_user_signal" in lines
     assert lines[-1] == "MaxJobCount=20000"
 
 
 @pytest.mark.parametrize(("debian", "sinfo", "spelling"), [
-    ("12", None, "SchedulerParameters=preempt_send_user_signal"),  # before the install (check mode): 22.05
+    ("12", None, "SlurmctldParameters=preempt_send_user_signal"),  # before the install (check mode): 22.05
     ("13", None, "PreemptParameters=send_user_signal"),  # Debian 13: 24.11
-    ("12", "slurm-wlm 22.05.8", "SchedulerParameters=preempt_send_user_signal"),
+    ("12", "slurm-wlm 22.05.8", "SlurmctldParameters=preempt_send_user_signal"),
     ("13", "slurm-wlm 24.11.5", "PreemptParameters=send_user_signal"),
     ("12", "slurm 23.02.7", "PreemptParameters=send_user_signal"),  # the installed release decides (a backport)
 ])
@@ -136,8 +139,19 @@ def test_preemption_signal_in_the_spelling_of_the_controllers_slurm(
     installed = {"__slurm_installed_version": {"rc": 0, "stdout": sinfo}} if sinfo else {}
     lines = _lines(_cluster(role_eval, facts, controller_vars=installed).render("scheduling.conf.j2"))
     assert spelling in lines
-    assert not {"SchedulerParameters=preempt_send_user_signal", "PreemptParameters=send_user_signal"} - {spelling} \
+    assert not {"SlurmctldParameters=preempt_send_user_signal", "PreemptParameters=send_user_signal"} - {spelling} \
         & set(lines)
+
+
+def test_every_qos_gets_the_grace_time_unless_it_sets_its_own(role_eval: Any, debian_container: dict) -> None:
+    """preempt/qos gives a preempted job its QOS's GraceTime, which is 0 (an immediate requeue, no checkpoint)
+    unless set."""
+    r = _cluster(role_eval, debian_container, slurm_preempt_grace_time=240,
+                 slurm_qos=[{"name": "normal", "priority": 10}, {"name": "long", "grace_time": 900},
+                            {"name": "inference", "preempt": ["normal", "long"]}])
+    assert r["__slurm_qos"] == [{"name": "normal", "priority": 10, "grace_time": 240},
+                                {"name": "long", "grace_time": 900},
+                                {"name": "inference", "preempt": ["normal", "long"], "grace_time": 240}]
 
 
 def test_slurmdbd_conf(role_eval: Any, debian_container: dict) -> None:

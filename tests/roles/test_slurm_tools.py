@@ -57,6 +57,30 @@ def test_qos_changes_set_only_what_differs_and_clear_undeclared_tres() -> None:
         "Priority=10", "MaxTRESPerUser=gres/gpu=16,node=-1", "MaxWall=-1"]
 
 
+def test_a_qos_that_preempts_others_as_sacctmgr_shows_it() -> None:
+    declared = {"name": "inference", "preempt": ["normal", "small"], "preempt_mode": "requeue"}
+    assert sacctmgr.differences(sacctmgr.QOS_FIELDS, declared, {"preempt": "small,normal",
+                                                                "preemptmode": "REQUEUE"}) == []
+    assert sacctmgr.differences(sacctmgr.QOS_FIELDS, declared, {"preempt": "normal", "preemptmode": "cluster"}) == [
+        "Preempt=normal,small", "PreemptMode=REQUEUE"]
+    assert sacctmgr.differences(sacctmgr.QOS_FIELDS, {"preempt_mode": ""}, {"preemptmode": "REQUEUE"}) == [
+        "PreemptMode=CLUSTER"]
+
+
+def test_a_grace_time_in_seconds_as_sacctmgr_shows_it() -> None:
+    assert sacctmgr.differences(sacctmgr.QOS_FIELDS, {"grace_time": 300}, {"gracetime": "00:05:00"}) == []
+    assert sacctmgr.differences(sacctmgr.QOS_FIELDS, {"grace_time": 90000}, {"gracetime": "1-01:00:00"}) == []
+    assert sacctmgr.differences(sacctmgr.QOS_FIELDS, {"grace_time": 300}, {"gracetime": "00:00:00"}) == [
+        "GraceTime=300"]
+
+
+def test_a_description_with_an_apostrophe_as_sacctmgr_stores_it_is_no_change() -> None:
+    declared = {"description": "the inference tier's replicas"}
+    assert sacctmgr.differences(sacctmgr.ACCOUNT_FIELDS, declared, {"descr": "the inference tier`s replicas"}) == []
+    assert sacctmgr.differences(sacctmgr.ACCOUNT_FIELDS, declared, {"descr": "other"}) == [
+        "Description=the inference tier's replicas"]
+
+
 def test_new_account_association_and_admin_level_names() -> None:
     declared = {"parent": "root", "fairshare": 60, "qos": ["normal", "high"], "default_qos": "normal"}
     assert sacctmgr.differences(sacctmgr.ACCOUNT_ASSOC_FIELDS, declared, None) == [

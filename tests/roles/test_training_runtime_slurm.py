@@ -24,15 +24,19 @@ with open(os.environ["RECORD"], "a") as f:
     f.write(json.dumps(entry) + "\\n")
 if name == "scontrol" and sys.argv[1:3] == ["show", "hostnames"]:
     print("gpu01\\ngpu02")
-elif name == "scontrol":
+elif name == "scontrol" and sys.argv[1:3] == ["show", "job"]:
+    print(f"   PreemptEligibleTime=None PreemptTime={os.environ.get('PREEMPT_TIME', 'None')} SuspendTime=None")
+elif name == "scontrol" and sys.argv[1:3] == ["show", "node"]:
     print("   NodeAddr=192.0.2.11 NodeHostName=gpu01")
 elif name == "srun":  # runs the step's command here, as the task on one node would
     argv = sys.argv[1:]
     while argv and argv[0].startswith("--"):
         argv.pop(0)
     os.execvp(argv[0], argv)
-elif name == "systemd-cat":
+elif name == "systemd-cat" and sys.argv[2:]:
     os.execvp(sys.argv[2], sys.argv[2:])
+elif name == "systemd-cat":
+    sys.stdout.write(sys.stdin.read())
 """
 
 
@@ -87,6 +91,26 @@ def test_workers_get_sigusr1_the_grace_before_the_limit_and_the_agent_survives_i
     torchrun = next(c for c in calls if c["name"] == "torchrun")
     assert torchrun["sig_ign"] & (1 << (10 - 1)), "SIGUSR1 (10) is not ignored by the torchrun agent"
     assert "--shutdown-timeout=600" in torchrun["argv"]
+
+
+@pytest.mark.parametrize(("node", "preempt_time", "requeued"), [("gpu01", "None", False),
+                                                                ("gpu01", "2026-12-04T22:10:00", True),
+                                                                ("gpu02", "2026-12-04T22:10:00", False)])
+def test_a_preempted_job_requeues_itself_from_its_head_node_once_the_agent_has_stopped(
+    tmp_path: Path, role_eval: Any, debian_container: dict, node: str, preempt_time: str, requeued: bool
+) -> None:
+    """Slurm 22.05 (Debian 12) ends a preempted job that stops at its checkpoint within GraceTime as COMPLETED; the
+    step's shell, which ignores SIGTERM to outlive the agent, asks for the requeue when the controller has set
+    the job's PreemptTime. A job stopped by scancel or its time limit (no PreemptTime) is not requeued."""
+    _, calls = _run(tmp_path, role_eval, debian_container, {"SLURM_JOB_CPUS_PER_NODE": "8", "SLURMD_NODENAME": node,
+                                                            "PREEMPT_TIME": preempt_time})
+    names = [c["name"] for c in calls]
+    requeues = [c["argv"] for c in calls if c["name"] == "scontrol" and c["argv"][:1] == ["requeue"]]
+    assert requeues == ([["requeue", "41"]] if requeued else [])
+    if requeued:
+        assert names.index("torchrun") < len(names) - 1 - names[::-1].index("scontrol")
+    torchrun = next(c for c in calls if c["name"] == "torchrun")
+    assert torchrun["sig_ign"] & (1 << (15 - 1)), "SIGTERM (15) reaches the step's shell, which must outlive the agent"
 
 
 def test_the_grace_defaults_fit_in_slurms_kill_wait(role_eval: Any, debian_container: dict) -> None:

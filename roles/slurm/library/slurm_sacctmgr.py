@@ -21,9 +21,9 @@ description:
   - Only the fields an entity names are managed; an empty string clears a field (C(-1) to sacctmgr).
 options:
   cluster: {description: ClusterName of slurm.conf, type: str, required: true}
-  qos: {description: QOS entries (name, state, description, priority, flags, max_tres_per_user, max_tres_per_job,
-        max_tres_per_account, grp_tres, max_jobs_per_user, max_submit_jobs_per_user, max_wall), type: list,
-        elements: dict, default: []}
+  qos: {description: QOS entries (name, state, description, priority, flags, preempt, preempt_mode, grace_time,
+        max_tres_per_user, max_tres_per_job, max_tres_per_account, grp_tres, max_jobs_per_user,
+        max_submit_jobs_per_user, max_wall), type: list, elements: dict, default: []}
   accounts: {description: Accounts (name, state, description, organization, parent, fairshare, qos, default_qos,
              grp_tres, grp_jobs, max_jobs), type: list, elements: dict, default: []}
   users: {description: Users (name, state, accounts, default_account, qos, default_qos, admin_level), type: list,
@@ -39,9 +39,12 @@ commands: {description: the sacctmgr argument lists run (or that would run in ch
 
 # declared field -> (sacctmgr show format name, sacctmgr set option, kind)
 QOS_FIELDS = {
-    "description": ("description", "Description", "str"),
+    "description": ("description", "Description", "text"),
     "priority": ("priority", "Priority", "int"),
     "flags": ("flags", "Flags", "set"),
+    "preempt": ("preempt", "Preempt", "set"),  # the QOS this one's jobs may preempt (PreemptType=preempt/qos)
+    "preempt_mode": ("preemptmode", "PreemptMode", "mode"),
+    "grace_time": ("gracetime", "GraceTime", "seconds"),  # what a preempted job of this QOS gets (preempt/qos)
     "max_tres_per_user": ("maxtrespu", "MaxTRESPerUser", "tres"),
     "max_tres_per_job": ("maxtres", "MaxTRESPerJob", "tres"),
     "max_tres_per_account": ("maxtrespa", "MaxTRESPerAccount", "tres"),
@@ -61,8 +64,8 @@ ACCOUNT_ASSOC_FIELDS = {
     "max_jobs": ("maxjobs", "MaxJobs", "int"),
 }
 ACCOUNT_FIELDS = {
-    "description": ("descr", "Description", "str"),
-    "organization": ("org", "Organization", "str"),
+    "description": ("descr", "Description", "text"),
+    "organization": ("org", "Organization", "text"),
 }
 USER_ASSOC_FIELDS = {
     "qos": ("qos", "QOS", "set"),
@@ -119,6 +122,20 @@ def normalise(kind: str, value: Any) -> Any:
         return tres_map(value)
     if kind == "wall":
         return wall_minutes(value)
+    if kind == "seconds":  # declared in seconds, shown as [D-]HH:MM:SS
+        text = str(value if value is not None else "").strip()
+        if text in ("", "-1"):
+            return None
+        if ":" not in text:
+            return int(text)
+        days, _, clock = text.rpartition("-")
+        hours, minutes, seconds = (int(x) for x in clock.split(":"))
+        return (int(days or 0) * 24 + hours) * 3600 + minutes * 60 + seconds
+    if kind == "text":  # sacctmgr stores a ' as a ` (it quotes values with ' in its SQL)
+        return str(value or "").strip().replace("'", "`")
+    if kind == "mode":  # sacctmgr shows PreemptMode in capitals, "cluster" when unset (slurm.conf's applies)
+        mode = str(value or "").strip().lower()
+        return "" if mode in ("", "cluster") else mode
     return "" if value is None else str(value).strip()
 
 
@@ -128,8 +145,10 @@ def render(kind: str, desired: Any, current: Any) -> str:
         parts = [f"{k}={v}" for k, v in sorted(desired.items())]
         parts += [f"{k}=-1" for k in sorted(set(current) - set(desired))]  # clear the ones no longer declared
         return ",".join(parts) if parts else "-1"
-    if kind in ("int", "wall"):
+    if kind in ("int", "wall", "seconds"):
         return "-1" if desired is None else str(desired)
+    if kind == "mode":
+        return desired.upper() or "CLUSTER"
     return desired
 
 
@@ -149,6 +168,8 @@ def differences(fields: dict[str, tuple[str, str, str]], declared: dict[str, Any
             if kind == "set":  # as declared: names keep their case (DenyOnLimit)
                 value = ",".join(str(i).strip() for i in (raw if isinstance(raw, list) else str(raw).split(","))
                                  if str(i).strip())
+            elif kind == "text":  # as declared: sacctmgr stores its ' as ` itself
+                value = str(raw).strip()
             else:
                 value = render(kind, want, have)
             out.append(f"{option}={value}")
@@ -200,13 +221,14 @@ def apply(module: AnsibleModule) -> list[list[str]]:
     if not sm.show("cluster", ["cluster"], cluster=cluster):
         sm.run("add", "cluster", cluster)
 
-    # QOS before the accounts and users that name them.
+    # QOS before the accounts and users that name them, and all of them before their fields: a QOS's preempt list
+    # may name one declared after it.
     qos_now = {r["name"]: r for r in sm.show("qos", ["name", *_columns(QOS_FIELDS)])}
     for q in qos_in:
-        current = qos_now.get(q["name"])
-        if current is None:
+        if q["name"] not in qos_now:
             sm.run("add", "qos", q["name"])
-        changes = differences(QOS_FIELDS, q, current)
+    for q in qos_in:
+        changes = differences(QOS_FIELDS, q, qos_now.get(q["name"]))
         if changes:
             sm.run("modify", "qos", "where", f"name={q['name']}", "set", *changes)
 
