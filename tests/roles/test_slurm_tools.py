@@ -72,6 +72,8 @@ def test_a_grace_time_in_seconds_as_sacctmgr_shows_it() -> None:
     assert sacctmgr.differences(sacctmgr.QOS_FIELDS, {"grace_time": 90000}, {"gracetime": "1-01:00:00"}) == []
     assert sacctmgr.differences(sacctmgr.QOS_FIELDS, {"grace_time": 300}, {"gracetime": "00:00:00"}) == [
         "GraceTime=300"]
+    with pytest.raises(ValueError, match=r"not a number of seconds: '5m' \(e.g. grace_time: 300\)"):
+        sacctmgr.differences(sacctmgr.QOS_FIELDS, {"grace_time": "5m"}, {"gracetime": "00:00:00"})
 
 
 def test_a_description_with_an_apostrophe_as_sacctmgr_stores_it_is_no_change() -> None:

@@ -126,10 +126,13 @@ def normalise(kind: str, value: Any) -> Any:
         text = str(value if value is not None else "").strip()
         if text in ("", "-1"):
             return None
-        if ":" not in text:
-            return int(text)
-        days, _, clock = text.rpartition("-")
-        hours, minutes, seconds = (int(x) for x in clock.split(":"))
+        try:
+            if ":" not in text:
+                return int(text)
+            days, _, clock = text.rpartition("-")
+            hours, minutes, seconds = (int(x) for x in clock.split(":"))
+        except ValueError:
+            raise ValueError(f"not a number of seconds: {value!r} (e.g. grace_time: 300)") from None
         return (int(days or 0) * 24 + hours) * 3600 + minutes * 60 + seconds
     if kind == "text":  # sacctmgr stores a ' as a ` (it quotes values with ' in its SQL)
         return str(value or "").strip().replace("'", "`")
