@@ -81,6 +81,10 @@ async def info(request: Request) -> JSONResponse:
     svc = _service(request)
     svc.authorize(request)
     s = svc.settings
+    # A Hugging Face directory records no step; its signed manifest does (as vLLM's /info reports it).
+    step = svc.meta.get("step")
+    if step is None and svc.verified:
+        step = svc.verified.step
     body: dict[str, Any] = {
         "model": svc.name,
         "engine": "builtin",
@@ -92,8 +96,7 @@ async def info(request: Request) -> JSONResponse:
         "format": svc.meta.get("format", "shardstack") if svc.meta else None,
         "tokenizer": None,
         "checkpoint": svc.meta.get("source_checkpoint"),
-        # A Hugging Face directory records no step; its signed manifest does (as vLLM's /info reports it).
-        "step": svc.meta.get("step") if svc.meta.get("step") is not None or not svc.verified else svc.verified.step,
+        "step": step,
         # How the weights were checked: the signed manifest's key id, or null (--allow-unsigned).
         "signed_by": svc.verified.key_id if svc.verified else None,
         "chat_template": svc.chat_template is not None,  # whether /v1/chat/completions can serve this model
