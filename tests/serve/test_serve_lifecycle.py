@@ -244,6 +244,26 @@ def test_tls_needs_a_readable_certificate_with_its_key_said_in_one_line(model_di
     assert code == 2 and "not a PEM certificate and an unencrypted PEM private key" in err
 
 
+def test_a_drain_lasts_until_no_request_was_turned_away_for_the_quiet_time(model_dir: Path, tmp_path: Path) -> None:
+    """Nothing in flight, but requests still arriving (a load balancer that has not yet seen /health fail): the server
+    turns each away with a 503 the balancer retries, and stops only once none came for --drain-quiet-seconds, so it
+    never resets a request already sent to it (the balancer cannot retry that one: the client would get a 502)."""
+    quiet = 2.0
+    with running_service(model_dir, tmp_path, "--drain-quiet-seconds", str(quiet)) as svc:
+        svc.proc.send_signal(signal.SIGTERM)
+        svc.notify.wait_for("STOPPING", timeout=CEILING)
+        codes, last_sent = [], 0.0
+        until = time.monotonic() + 2 * quiet
+        with httpx.Client(base_url=svc.url, timeout=CEILING) as client:
+            while time.monotonic() < until:
+                last_sent = time.monotonic()
+                codes.append(client.post("/v1/completions", json={"prompt": "x", "max_tokens": 2}).status_code)
+                time.sleep(quiet / 8)
+        assert set(codes) == {503} and len(codes) > 4, codes
+        assert svc.proc.wait(CEILING) == 0, svc.log()
+        assert time.monotonic() - last_sent >= quiet
+
+
 def test_sigterm_drains_in_flight_refuses_new_and_exits_zero(small_svc: Service) -> None:
     # Runs last in this module: it ends the shared service. 3 requests on 2 slots: 2 decoding, 1 queued.
     svc = small_svc

@@ -140,7 +140,7 @@ def test_sigterm_drains_the_request_in_flight_and_turns_new_ones_away(bpe_model_
                                                                     tmp_path: Path) -> None:
     """As the unit stops it (KillMode=mixed: SIGTERM to the server alone): a request whose body is still arriving is
     in flight; /health and a new request get 503 (the load balancer retries that one elsewhere) until it is answered
-    200, then vLLM stops its engine and exits 0."""
+    200 and no request was turned away for the quiet time, then vLLM stops its engine and exits 0."""
     import http.client
     import json
     import socket
@@ -148,7 +148,7 @@ def test_sigterm_drains_the_request_in_flight_and_turns_new_ones_away(bpe_model_
     workdir = Path(os.path.realpath(tmp_path))
     (workdir / "stage").mkdir()
     svc = start(bpe_model_dir, workdir, "--key-file", str(signing_key_file), "--stage-dir", str(workdir / "stage"),
-                "--drain-seconds", "30", env_extra={"WATCHDOG_USEC": "0"})
+                "--drain-seconds", "30", "--drain-quiet-seconds", "2", env_extra={"WATCHDOG_USEC": "0"})
     try:
         svc.wait_ready()
         body = json.dumps({"model": "small", "prompt": "Once ", "max_tokens": 4}).encode()
@@ -165,6 +165,7 @@ def test_sigterm_drains_the_request_in_flight_and_turns_new_ones_away(bpe_model_
                 assert time.monotonic() < deadline, health.text
                 time.sleep(0.2)
             assert health.json() == {"status": "draining"}
+            turned_at = time.monotonic()
             turned = c.post("/v1/completions", json={"model": "small", "prompt": "x", "max_tokens": 2}, headers=auth)
             assert turned.status_code == 503 and turned.json()["error"]["code"] == "unavailable", turned.text
             assert turned.headers["retry-after"] == "1"
@@ -177,6 +178,7 @@ def test_sigterm_drains_the_request_in_flight_and_turns_new_ones_away(bpe_model_
         held.close()
         assert response.status == 200 and answered["choices"][0]["text"] is not None, answered
         assert svc.proc.wait(60) == 0
+        assert time.monotonic() - turned_at >= 2  # no request turned away for --drain-quiet-seconds (drain.py)
         log = svc.log()
         assert "SIGTERM: draining, 1 request(s) in flight" in log and "drained (0 request(s) left)" in log, log[-3000:]
     finally:

@@ -89,6 +89,9 @@ def register(sub: argparse._SubParsersAction) -> None:
                    help="engine loop silent this long = hung: /health 503, no watchdog ping (default 30)")
     p.add_argument("--drain-seconds", type=float, default=20.0,
                    help="on SIGTERM, time in-flight requests get to finish (default 20)")
+    p.add_argument("--drain-quiet-seconds", type=float, default=0.0,
+                   help="and, within that time, how long no request must have been turned away before the server "
+                        "stops: longer than a load balancer takes to see a draining replica down (default 0)")
     p.add_argument("--access-log", nargs="?", const="stdout", default="auto",
                    choices=["auto", "journal", "stdout", "off"],
                    help="one entry per request: journal (structured fields), stdout, off; auto (default): journal "
@@ -225,6 +228,7 @@ def run(args: argparse.Namespace) -> int:
         dtype=args.dtype,
         stall_seconds=args.stall_seconds,
         drain_seconds=args.drain_seconds,
+        drain_quiet_seconds=args.drain_quiet_seconds,
         access_log=args.access_log,
         journal_socket=args.journal_socket,
         failpoint=failpoint,

@@ -25,6 +25,7 @@ from shardstack.model.manifest import Staged, stage_verified
 from shardstack.model.tokenizer import Tokenizer
 from shardstack.serve.apierror import ApiError
 from shardstack.serve.chat import ChatTemplate, load_chat_template
+from shardstack.serve.drain import DrainClock
 from shardstack.serve.engine import Engine
 from shardstack.serve.metrics import ServeMetrics
 from shardstack.serve.notify import Notifier
@@ -46,6 +47,7 @@ class Service:
         self.notifier = notifier or Notifier()
         self.metrics = ServeMetrics()
         self.phase = "loading"
+        self.drain: DrainClock | None = None  # set when a drain starts
         self.failure: str | None = None
         self.engine: Engine | None = None
         self.meta: dict[str, Any] = {}
@@ -152,6 +154,7 @@ class Service:
             if self.phase == "draining":
                 return False
             self.phase = "draining"
+            self.drain = DrainClock(self.settings.drain_seconds, self.settings.drain_quiet_seconds)
             self.metrics.ready.set(0)
         self.notifier.stopping("draining")
         return True
@@ -184,7 +187,8 @@ class Service:
                            headers={"WWW-Authenticate": "Bearer"})
 
     def admitting_engine(self) -> Engine:
-        if self.phase == "draining":
+        if self.drain is not None:
+            self.drain.turned_away()
             raise ApiError(503, "server is draining; retry on another replica", code="unavailable",
                            headers={"Retry-After": "1"})
         if self.phase != "ready" or self.engine is None:

@@ -2,8 +2,9 @@
 
 uvicorn's own handler stops listening at once, so a load balancer would see refused connections. Here the
 first SIGTERM (or SIGINT) keeps the socket open, answers new completions with 503 (and /health with 503, so
-the balancer takes the replica out), lets in-flight requests finish for up to `drain_seconds`, aborts what is
-left, then shuts uvicorn down and exits 0. A second SIGINT forces an immediate exit.
+the balancer takes the replica out), lets in-flight requests finish and waits until the balancer has stopped
+sending (drain.py), for up to `drain_seconds` in all, aborts what is left, then shuts uvicorn down and exits 0.
+A second SIGINT forces an immediate exit.
 """
 
 from __future__ import annotations
@@ -12,7 +13,6 @@ import asyncio
 import logging
 import signal
 import socket
-import time
 from pathlib import Path
 from types import FrameType
 
@@ -67,9 +67,9 @@ class DrainingServer(uvicorn.Server):
             self._drain_task = asyncio.ensure_future(self._drain())
 
     async def _drain(self) -> None:
-        engine = self.service.engine
-        deadline = time.monotonic() + self.service.settings.drain_seconds
-        while engine is not None and engine.in_flight() and time.monotonic() < deadline:
+        engine, clock = self.service.engine, self.service.drain
+        assert clock is not None  # begin_drain set it
+        while not clock.done(engine.in_flight() if engine is not None else 0):
             await asyncio.sleep(0.05)
         if engine is not None and engine.in_flight():
             n = engine.abort_all("server shutting down")

@@ -32,6 +32,7 @@ class ServeSettings:
     dtype: str = "auto"  # auto (bf16 on a GPU that has it, else fp32) | float32 | bfloat16 | float16
     stall_seconds: float = 30.0  # /health turns 503 when the engine loop has not iterated for this long
     drain_seconds: float = 20.0  # on SIGTERM, how long in-flight requests get before they are aborted
+    drain_quiet_seconds: float = 0.0  # and how long no request must have been turned away: drain.py
     access_log: str = "auto"  # auto (journal under journald, else off) | journal | stdout | off: accesslog.py
     journal_socket: str = "/run/systemd/journal/socket"  # journald's native socket (a test's own, in tests)
     failpoint: str | None = None  # test-only fault injection, see scheduler.FAILPOINT_HANG

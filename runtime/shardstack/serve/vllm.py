@@ -41,6 +41,7 @@ from typing import Any
 from shardstack import __version__
 from shardstack.errors import ShardstackError
 from shardstack.model.manifest import Staged, stage_verified
+from shardstack.serve.drain import DrainClock
 from shardstack.serve.notify import Notifier
 from shardstack.signing import SigningKey
 
@@ -53,16 +54,22 @@ _info: dict[str, Any] = {}  # GET /info's body, set by run() once the export is 
 
 
 class Drain:
-    """SIGTERM for vLLM's server: stop taking work, let what is in flight finish (up to `seconds`), then hand over
-    to vLLM's own shutdown (its SIGINT handler, the one it also gave SIGTERM)."""
+    """SIGTERM for vLLM's server: stop taking work, let what is in flight finish and the balancer stop sending (the
+    built-in engine's rule, drain.py), then hand over to vLLM's own shutdown (its SIGINT handler, the one it also
+    gave SIGTERM)."""
 
     def __init__(self) -> None:
         self.seconds = 20.0
+        self.quiet = 0.0
         self.notifier: Notifier | None = None
-        self.draining = False
+        self.clock: DrainClock | None = None  # set when the drain starts
         self.in_flight = 0
         self._installed = False
         self._task: asyncio.Task | None = None
+
+    @property
+    def draining(self) -> bool:
+        return self.clock is not None
 
     def install(self) -> None:
         """In vLLM's event loop, once its server starts (the ASGI lifespan): after vLLM set its own handlers."""
@@ -71,17 +78,17 @@ class Drain:
             self._installed = True
 
     def start(self) -> None:
-        if self.draining:
+        if self.clock is not None:
             return
-        self.draining = True
+        self.clock = DrainClock(self.seconds, self.quiet)
         log.info("SIGTERM: draining, %d request(s) in flight, up to %.0fs", self.in_flight, self.seconds)
         if self.notifier is not None:
             self.notifier.stopping(f"draining {self.in_flight} request(s)")
         self._task = asyncio.get_running_loop().create_task(self._finish())
 
     async def _finish(self) -> None:
-        deadline = time.monotonic() + self.seconds
-        while self.in_flight > 0 and time.monotonic() < deadline:
+        assert self.clock is not None
+        while not self.clock.done(self.in_flight):
             await asyncio.sleep(0.1)
         log.info("drained (%d request(s) left); stopping vLLM", self.in_flight)
         os.kill(os.getpid(), signal.SIGINT)
@@ -173,8 +180,11 @@ class BearerAuth:
             await self.app(scope, receive, send)
             return
         # Draining: /health and the work paths say so (the load balancer retries a 503 elsewhere); /metrics answers.
-        if scope["type"] == "http" and _drain.draining and (
+        clock = _drain.clock
+        if scope["type"] == "http" and clock is not None and (
                 scope["path"] == "/health" or (scope["path"] not in OPEN_PATHS and self._allowed(scope))):
+            if scope["path"] != "/health":
+                clock.turned_away()
             await _send_json(send, 503, {"status": "draining"} if scope["path"] == "/health" else {"error": {
                 "message": "server is draining; retry on another replica", "type": "server_error", "param": None,
                 "code": "unavailable"}}, ((b"retry-after", b"1"),))
@@ -306,7 +316,7 @@ def run(args: argparse.Namespace, key: SigningKey | None, token: str | None) -> 
     _info.update(info(name, args.model, staged, options))
     scheme = "https" if options.tls_cert else "http"
     notifier = Notifier()
-    _drain.seconds, _drain.notifier = args.drain_seconds, notifier
+    _drain.seconds, _drain.quiet, _drain.notifier = args.drain_seconds, args.drain_quiet_seconds, notifier
     HealthNotifier(f"{scheme}://{_url_host(args.host)}:{args.port}/health", notifier, staged, name).start()
     sys.argv = [f"{sys.argv[0]} serve --engine vllm", *vllm_argv(options)]
     try:
