@@ -3,6 +3,8 @@ gres.conf, cgroup.conf, scheduling.conf and slurmdbd.conf; and the munge key's g
 
 from __future__ import annotations
 
+import os
+import subprocess
 from pathlib import Path
 from typing import Any
 
@@ -36,7 +38,10 @@ def _cluster(role_eval: Any, facts: dict, *, containers: bool = False, **kw: Any
         "cpu01": {"ansible_host": "192.0.2.12", "ansible_facts": {"hostname": "cpu01", "virtualization_type": virt},
                   "__slurm_node": _node("cpu01", "192.0.2.12", [], memory=250000)},
     }
-    groups = {"all": list(hostvars), "slurm_controller": ["ops01"], "train_nodes": ["gpu01", "cpu01"]}
+    for host, features in kw.pop("features", {}).items():  # what configure.yml's fact says of the host
+        hostvars[host]["__slurm_node"]["features"] = features
+    groups = {"all": list(hostvars), "slurm_controller": ["ops01"], "train_nodes": ["gpu01", "cpu01"],
+              **kw.pop("groups", {})}
     kw.setdefault("inventory_hostname", "ops01")
     kw.setdefault("slurm_db_password", "s3cret-password-0123")
     return role_eval("slurm", facts, groups=groups, hostvars=hostvars, **kw)
@@ -95,7 +100,7 @@ def test_this_node_from_slurmd_c_with_memory_headroom_and_gpus_in_numeric_order(
                  __slurm_hw={"rc": 0, "stdout_lines": [SLURMD_C, "UpTime=1"]},
                  shardstack_hardware=hardware(devnodes=devs))
     node = r["__slurm_this_node"]
-    assert {k: int(v) for k, v in node.items() if k not in ("name", "addr", "gpus")} == {
+    assert {k: int(v) for k, v in node.items() if k not in ("name", "addr", "gpus", "features")} == {
         "cpus": 64, "boards": 1, "sockets_per_board": 2, "cores_per_socket": 16, "threads_per_core": 2,
         "real_memory": 515000 - 10300,  # 2 % of 515000 is more than the 1024 MiB floor
     }
@@ -298,3 +303,57 @@ def test_slurmd_on_gpu_nodes_waits_for_the_device_files_gres_conf_names(role_eva
     dropin = by_name["Configure - slurmd waits for the GPUs' device files"]
     assert "__slurm_node.gpus | length > 0" in dropin["when"] and "slurm restart" in dropin["notify"]
     assert by_name["Configure - no GPU drop-in on nodes without GPUs"]["ansible.builtin.file"]["state"] == "absent"
+
+
+def test_nodes_in_inference_nodes_have_the_inference_feature(role_eval: Any, hardware: Any,
+                                                              debian_container: dict) -> None:
+    for host, features in (("gpu01", ["inference"]), ("cpu01", [])):
+        r = _cluster(role_eval, {**debian_container, "hostname": host}, inventory_hostname=host,
+                     groups={"inference_nodes": ["gpu01"]}, __slurm_hw={"rc": 0, "stdout_lines": [SLURMD_C]},
+                     shardstack_hardware=hardware())
+        assert r["__slurm_this_node"]["features"] == features, host
+    lines = _lines(_cluster(role_eval, debian_container, features={"gpu01": ["inference"]}).render("slurm.conf.j2"))
+    assert next(line for line in lines if line.startswith("NodeName=gpu01")).endswith(
+        " Gres=gpu:2 Features=inference State=UNKNOWN")
+    assert "Features=" not in next(line for line in lines if line.startswith("NodeName=cpu01"))
+    assert not any(line.startswith(("Prolog=", "Epilog=")) for line in lines)  # no slurm_account_units
+
+
+_SYSTEMCTL = """#!/bin/sh
+echo "$*" >> "$RECORD"
+"""
+
+
+def test_a_job_of_an_account_unit_runs_that_unit_from_its_prolog_to_its_epilog(
+        role_eval: Any, debian_container: dict, tmp_path: Path) -> None:
+    units = {"inference": "shardstack-inference.service"}
+    conf = _cluster(role_eval, debian_container, slurm_account_units=units)
+    lines = _lines(conf.render("slurm.conf.j2"))
+    assert {"Prolog=/etc/slurm/shardstack-prolog.sh", "Epilog=/etc/slurm/shardstack-epilog.sh"} <= set(lines)
+    bindir, state, record = tmp_path / "bin", tmp_path / "state", tmp_path / "record"
+    bindir.mkdir()
+    (bindir / "systemctl").write_text(_SYSTEMCTL)
+    (bindir / "systemctl").chmod(0o755)
+    scripts = {}
+    for kind, epilog in (("prolog", False), ("epilog", True)):
+        text = _cluster(role_eval, debian_container, slurm_account_units=units, __slurm_units_state=str(state),
+                        __slurm_units_epilog=epilog).render("account-units.sh.j2")
+        scripts[kind] = tmp_path / f"{kind}.sh"
+        scripts[kind].write_text(text)
+
+    def run(kind: str, job: str, account: str | None = None) -> list[str]:
+        env = {"PATH": f"{bindir}:{os.environ['PATH']}", "RECORD": str(record), "SLURM_JOB_ID": job,
+               **({"SLURM_JOB_ACCOUNT": account} if account else {})}
+        record.write_text("")
+        done = subprocess.run(["sh", str(scripts[kind])], env=env, capture_output=True, text=True, timeout=30)
+        assert done.returncode == 0, done.stderr
+        return record.read_text().splitlines()
+
+    # A team's job: nothing started, nothing remembered, nothing stopped.
+    assert run("prolog", "6", "research") == [] and run("epilog", "6") == []
+    # The inference account's job starts the unit without waiting for it, and its epilog stops it (Slurm 22.05 may
+    # not give the epilog the account: the job id the prolog wrote decides).
+    assert run("prolog", "7", "inference") == ["start --no-block shardstack-inference.service"]
+    assert (state / "7").read_text() == "shardstack-inference.service\n" and oct(state.stat().st_mode)[-3:] == "700"
+    assert run("epilog", "7") == ["stop shardstack-inference.service"] and not (state / "7").exists()
+    assert run("epilog", "7") == []  # once only
