@@ -316,7 +316,7 @@ def test_nodes_in_inference_nodes_have_the_inference_feature(role_eval: Any, har
     assert next(line for line in lines if line.startswith("NodeName=gpu01")).endswith(
         " Gres=gpu:2 Features=inference State=UNKNOWN")
     assert "Features=" not in next(line for line in lines if line.startswith("NodeName=cpu01"))
-    assert not any(line.startswith(("Prolog=", "Epilog=")) for line in lines)  # no slurm_account_units
+    assert not any(line.startswith(("Prolog", "Epilog=")) for line in lines)  # no slurm_account_units
 
 
 _SYSTEMCTL = """#!/bin/sh
@@ -329,7 +329,8 @@ def test_a_job_of_an_account_unit_runs_that_unit_from_its_prolog_to_its_epilog(
     units = {"inference": "shardstack-inference.service"}
     conf = _cluster(role_eval, debian_container, slurm_account_units=units)
     lines = _lines(conf.render("slurm.conf.j2"))
-    assert {"Prolog=/etc/slurm/shardstack-prolog.sh", "Epilog=/etc/slurm/shardstack-epilog.sh"} <= set(lines)
+    assert {"PrologFlags=Alloc", "Prolog=/etc/slurm/shardstack-prolog.sh",
+            "Epilog=/etc/slurm/shardstack-epilog.sh"} <= set(lines)
     bindir, state, record = tmp_path / "bin", tmp_path / "state", tmp_path / "record"
     bindir.mkdir()
     (bindir / "systemctl").write_text(_SYSTEMCTL)
