@@ -65,6 +65,17 @@ def test_dcgm_targets_follow_the_gate_facts() -> None:
     ]
 
 
+def test_replicas_slurm_runs_are_labelled_scheduled() -> None:
+    groups, hostvars = inventory_groups(REPO / "inventory" / "sample" / "hosts.yml")
+    node = groups["inference_nodes"][0]
+    hostvars[node]["inference_service_scheduled"] = True
+    got = {g["labels"]["node"]: g["labels"] for g in targets_filter(DEFAULT_JOBS, groups, hostvars)["inference"]}
+    assert got[node].get("scheduled") == "true"
+    assert all("scheduled" not in labels for host, labels in got.items() if host != node) and len(got) > 1
+    node_job = targets_filter(DEFAULT_JOBS, groups, hostvars)["node"]
+    assert all("scheduled" not in g["labels"] for g in node_job)  # only the job that names the variable
+
+
 def test_targets_from_a_generated_lab_inventory() -> None:
     names = ["lab-n1", "lab-n2", "lab-n3"]
     layout = group_layout(names)

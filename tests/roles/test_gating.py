@@ -662,3 +662,30 @@ def test_inference_replica_group_has_one_host_per_stage(
     assert all(r[c] for c in check["ansible.builtin.assert"]["that"]) is passes
     if passes:  # the first host is the head; the others are Ray workers
         assert (r["__inference_service_ray_head"], r["__inference_service_ray_worker | bool"]) == ("gpu03", True)
+
+
+@pytest.mark.parametrize(("scheduler", "train", "pp", "passes"), [
+    ("slurm", True, 1, True),
+    ("systemd", True, 1, False),  # nothing would ever start the replica
+    ("slurm", False, 1, False),  # not a Slurm compute node
+    ("slurm", True, 2, False),  # a pipeline-parallel replica spans nodes: one job per replica is one node
+])
+def test_a_scheduled_replica_is_started_by_slurm_and_only_on_a_compute_node(
+        role_eval: Any, hardware: Any, debian_container: dict, scheduler: str, train: bool, pp: int,
+        passes: bool) -> None:
+    check = _inference_preflight("Preflight - a scheduled replica runs on a Slurm compute node")
+    r = role_eval("inference_service", debian_container, inventory_hostname="gpu03",
+                  groups={"train_nodes": ["gpu03"] if train else [], "replica_a": ["gpu03", "gpu04"]},
+                  hostvars={"gpu03": {}, "gpu04": {}}, shardstack_scheduler=scheduler,
+                  inference_service_scheduled=True, inference_service_engine="vllm",
+                  inference_service_pipeline_parallel=pp, inference_service_replica_group="replica_a",
+                  shardstack_hardware=hardware(pci=(GPU,) * 8), __inference_service_model={"stat": {"exists": True}})
+    assert r[check["when"]] is True
+    assert all(r[c] for c in check["ansible.builtin.assert"]["that"]) is passes
+    if not passes:
+        assert "Slurm starts its replicas" in r.template(check["ansible.builtin.assert"]["fail_msg"])
+    # The role never starts a scheduled replica itself, even with a model there; without the flag it does.
+    assert r["__inference_service_runs_here | bool"] is False
+    fixed = role_eval("inference_service", debian_container, inventory_hostname="gpu03",
+                      __inference_service_model={"stat": {"exists": True}})
+    assert fixed["__inference_service_runs_here | bool"] is True

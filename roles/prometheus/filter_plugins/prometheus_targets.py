@@ -44,7 +44,9 @@ def scrape_targets(jobs: Sequence[Mapping[str, Any]], groups: Mapping[str, Seque
     """Return {job name: static_configs target groups}, one group per host so each carries its own labels.
 
     Every target gets `node` (the inventory name) and `train_node` ("true" when the host is in train_nodes,
-    which the training alerts select on). Disabled jobs (`enabled: false`) are left out entirely.
+    which the training alerts select on). A job's `scheduled_var` names a host variable that, true, marks the
+    target `scheduled="true"`: it answers only while a Slurm job runs it (ExporterDown leaves those out). Disabled
+    jobs (`enabled: false`) are left out entirely.
     """
     train = set(groups.get("train_nodes", []))
     out: dict[str, list[dict[str, Any]]] = {}
@@ -55,10 +57,13 @@ def scrape_targets(jobs: Sequence[Mapping[str, Any]], groups: Mapping[str, Seque
         if name in out:
             raise ValueError(f"prometheus_scrape_jobs: job {name!r} is defined twice")
         port = int(job["port"])
+        scheduled = job.get("scheduled_var")
         out[name] = [
             {
                 "targets": [f"{_address(h, hostvars)}:{port}"],
-                "labels": {"node": h, "train_node": "true" if h in train else "false"},
+                "labels": {"node": h, "train_node": "true" if h in train else "false",
+                           **({"scheduled": "true"} if scheduled and _truthy(hostvars.get(h, {}).get(scheduled))
+                              else {})},
             }
             for h in _job_hosts(job, groups, hostvars)
         ]

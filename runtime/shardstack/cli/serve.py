@@ -5,6 +5,7 @@ export → exports/current → rollout; docs/operations.md)."""
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import logging
 import os
@@ -121,6 +122,14 @@ def register(sub: argparse._SubParsersAction) -> None:
     add_inventory_arg(pub)
     pub.add_argument("--json", action="store_true", help="print the result as JSON on stdout")
     pub.set_defaults(func=_publish)
+    sc = actions.add_parser("scale", help="with Slurm-run replicas (inference_service_scheduled): submit or cancel "
+                                          "replica jobs so that N are queued or running; without --replicas: list")
+    sc.add_argument("--replicas", type=_non_negative, default=None, metavar="N", help="the count to reach (0: none)")
+    sc.add_argument("--account", default="inference", help="the Slurm account of replica jobs (default inference)")
+    sc.add_argument("--qos", default="inference", help="their QOS, the one that preempts training (default inference)")
+    add_inventory_arg(sc)
+    sc.add_argument("--json", action="store_true", help="print the result as JSON on stdout")
+    sc.set_defaults(func=_scale)
 
 
 def _stage(args: argparse.Namespace) -> int:
@@ -247,6 +256,40 @@ def _rollout(args: argparse.Namespace) -> int:
     else:
         console.print(summary_table(result, "serve rollout"))
     return EXIT_OK if result.success else EXIT_FAILED_HOSTS
+
+
+def _non_negative(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"must be a whole number, got {text!r}") from None
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"must be >= 0, got {text}")
+    return value
+
+
+def _scale(args: argparse.Namespace) -> int:
+    from shardstack.ops import replicas
+
+    cluster = load_cluster(args)
+    if args.replicas is None:
+        jobs, submitted, cancelled = replicas.replicas(cluster), [], []
+    else:
+        done = replicas.scale(cluster, args.replicas, replicas.ReplicaSettings.of(cluster, args.account, args.qos))
+        jobs, submitted, cancelled = done.before, done.submitted, done.cancelled
+    if args.json:
+        print(json.dumps({"jobs": [dataclasses.asdict(j) for j in jobs], "submitted": submitted,
+                          "cancelled": cancelled}, indent=2))
+        return EXIT_OK
+    for j in jobs:
+        print(f"replica job {j.job_id}: {j.state}{' on ' + j.node if j.node else ''}"
+              f"{' (cancelled)' if j.job_id in cancelled else ''}")
+    if args.replicas is not None:
+        print(f"{len(jobs)} → {args.replicas} replica(s): submitted {submitted or 'none'}, cancelled "
+              f"{cancelled or 'none'}")
+    elif not jobs:
+        print("no replica jobs")
+    return EXIT_OK
 
 
 def _publish(args: argparse.Namespace) -> int:
