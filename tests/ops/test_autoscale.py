@@ -20,7 +20,16 @@ from pathlib import Path
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 from shardstack.errors import ShardstackError
-from shardstack.ops.autoscale import Policy, ScheduleFloor, Signals, decide, read_signals, write_metrics
+from shardstack.ops.autoscale import (
+    Policy,
+    ScheduleFloor,
+    Signals,
+    State,
+    decide,
+    evaluate,
+    read_signals,
+    write_metrics,
+)
 from shardstack.ops.status import prom_query
 
 NOON = datetime(2026, 12, 3, 12, 0)
@@ -230,3 +239,32 @@ def test_the_decision_as_textfile_metrics_promtool_accepts(tmp_path: Path) -> No
     assert values[("shardstack_autoscale_last_decision_timestamp_seconds", ())] == 1_700_000_000.0
     check = subprocess.run(["promtool", "check", "metrics"], input=text, capture_output=True, text=True)
     assert check.returncode == 0, check.stdout + check.stderr
+
+
+def _tier(running: float) -> Callable[[str], list[dict]]:
+    """Prometheus's answers for a tier with `running` requests and nothing else (the signals' queries by name)."""
+    return lambda q: [{"metric": {}, "value": [0, str(running)]}] if "requests_running" in q and running else []
+
+
+def test_evaluations_carry_the_cooldown_and_the_counts_across_a_restart(tmp_path: Path) -> None:
+    path, t0 = tmp_path / "state" / "autoscale.json", NOON.timestamp()
+    state = State.load(path)  # none yet: no cooldown holds the first change
+    up = evaluate(POLICY, _tier(20), 1, state, now=t0)
+    assert (up.action, up.replicas, state.last_change) == ("up", 3, t0)
+    state.save(path)
+    state = State.load(path)  # a restart keeps the cooldown
+    held = evaluate(POLICY, _tier(0), 3, state, now=t0 + 10)
+    assert (held.action, held.replicas) == ("hold", 3) and "scale-down cooldown" in held.reason
+    down = evaluate(POLICY, _tier(0), 3, state, now=t0 + 301)
+    assert (down.action, down.replicas, state.last_change) == ("down", 2, t0 + 301)
+    assert state.decisions == {"up": 1, "down": 1, "hold": 1}
+    state.save(path)
+    assert State.load(path) == state
+
+
+def test_an_unreadable_state_is_an_error_not_a_reset(tmp_path: Path) -> None:
+    path = tmp_path / "autoscale.json"
+    for text in ("{not json", '{"decisions": {}}', "[]"):
+        path.write_text(text)
+        with pytest.raises(ShardstackError, match=r"autoscale state .* is unreadable"):
+            State.load(path)

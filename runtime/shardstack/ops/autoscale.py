@@ -18,8 +18,11 @@ The rule, per evaluation:
 
 from __future__ import annotations
 
+import json
 import math
+import os
 import re
+import tempfile
 from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, field
 from datetime import datetime, time
@@ -225,3 +228,45 @@ def write_metrics(path: Path, decision: Decision, policy: Policy, decisions: dic
     for action in ("up", "down", "hold"):
         total.labels(action).inc(decisions.get(action, 0))
     write_to_textfile(str(path), registry)
+
+
+@dataclass
+class State:
+    """What the autoscaler carries between evaluations and across restarts: when the count last changed (epoch
+    seconds; 0: never, so no cooldown holds the first change) and how many decisions of each action it made."""
+
+    last_change: float = 0.0
+    decisions: dict[str, int] = field(default_factory=lambda: {"up": 0, "down": 0, "hold": 0})
+
+    @classmethod
+    def load(cls, path: Path) -> State:
+        """The saved state; a new one when there is none. A file that is not this state is an error, not a reset:
+        a reset would drop the cooldown (and could flap the tier)."""
+        try:
+            doc = json.loads(path.read_text())
+            return cls(float(doc["last_change"]), {a: int(doc["decisions"].get(a, 0)) for a in ("up", "down", "hold")})
+        except FileNotFoundError:
+            return cls()
+        except (OSError, ValueError, KeyError, TypeError, AttributeError) as exc:
+            raise ShardstackError(f"autoscale state {path} is unreadable ({exc})",
+                                  hint="remove it to start afresh (the next change then waits no cooldown)") from None
+
+    def save(self, path: Path) -> None:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.")
+        with os.fdopen(fd, "w") as f:
+            json.dump(asdict(self), f)
+        os.replace(tmp, path)
+
+
+def evaluate(policy: Policy, query: Query, replicas: int, state: State, *, now: float,
+             window: str = "1m") -> Decision:
+    """One evaluation: the signals from Prometheus for the `replicas` that exist, the decision, and the state
+    updated as if the caller carries it out (it must, or keep the state it had)."""
+    signals = read_signals(query, replicas, window)
+    since = now - state.last_change if state.last_change else math.inf
+    decision = decide(policy, signals, now=datetime.fromtimestamp(now), since_change=since)
+    state.decisions[decision.action] += 1
+    if decision.replicas != replicas:
+        state.last_change = now
+    return decision

@@ -18,7 +18,6 @@ unreachable): when it fails the outcome says so and the state file stays the rec
 from __future__ import annotations
 
 import contextlib
-import hashlib
 import json
 import os
 import re
@@ -31,7 +30,7 @@ from typing import Any
 
 from shardstack.errors import ShardstackError
 from shardstack.ops.inventory import Cluster
-from shardstack.ops.runner import CommandResult, run_command, state_dir
+from shardstack.ops.runner import CommandResult, inventory_state_file, run_command
 
 ACTIONS = ("cordon", "drain", "uncordon")
 ROLE_GROUPS = {"inference": "inference_nodes", "train": "train_nodes"}
@@ -52,12 +51,8 @@ _TRAIN_UNIT = re.compile(r"shardstack-train@(.+)\.service")
 
 
 def state_file(inventory: Path) -> Path:
-    """The inventory's cordon state under the controller's state directory: a readable name (the inventory's last
-    path parts) and a hash of its resolved path, so two inventories never share a file and one always finds its own."""
-    inventory = inventory.resolve()
-    digest = hashlib.sha256(str(inventory).encode()).hexdigest()[:16]
-    name = re.sub(r"[^A-Za-z0-9_.-]+", "_", "-".join(inventory.parts[-2:])).strip("._-") or "inventory"
-    return state_dir() / "cordon" / f"{name}-{digest}.json"
+    """The inventory's cordon state under the controller's state directory."""
+    return inventory_state_file(inventory, "cordon")
 
 
 def _legacy_file(inventory: Path) -> Path:

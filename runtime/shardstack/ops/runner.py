@@ -12,6 +12,7 @@ ad-hoc host pattern, is refused if it holds a template marker.
 from __future__ import annotations
 
 import contextlib
+import hashlib
 import json
 import os
 import re
@@ -56,6 +57,16 @@ def state_dir() -> Path:
     if env := os.environ.get("SHARDSTACK_STATE_DIR"):
         return Path(env).resolve()
     return Path(os.environ.get("XDG_STATE_HOME") or Path.home() / ".local" / "state") / "shardstack"
+
+
+def inventory_state_file(inventory: Path, kind: str) -> Path:
+    """This inventory's `kind` state (cordon, autoscale) under the state directory: a readable name (the inventory's
+    last path parts) and a hash of its resolved path, so two inventories never share a file and one always finds its
+    own."""
+    inventory = inventory.resolve()
+    digest = hashlib.sha256(str(inventory).encode()).hexdigest()[:16]
+    name = re.sub(r"[^A-Za-z0-9_.-]+", "_", "-".join(inventory.parts[-2:])).strip("._-") or "inventory"
+    return state_dir() / kind / f"{name}-{digest}.json"
 
 
 @dataclass
