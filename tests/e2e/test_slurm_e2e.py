@@ -175,8 +175,9 @@ def test_an_inference_qos_job_preempts_training_which_checkpoints_is_requeued_an
     # Only the inference account may use the inference QOS: a team's account is refused at submission.
     refused = _sbatch(inv, ["--account=research", "--qos=inference", "--wrap=true"])
     assert not refused.success and "Invalid qos" in refused.stdout + refused.stderr, refused
-    # A tiny model takes ~0.05 s a step here: enough steps that the preemption lands mid-run, the loss of every 10th.
-    name, ref, steps, every = "preempted", "preempt-ref", 300, 10
+    # A tiny model takes ~0.05 s a step here (more while other labs run): enough steps that the preemption lands
+    # mid-run however long Slurm takes to preempt (once >250 steps under make test's load), the loss of every 10th.
+    name, ref, steps, every = "preempted", "preempt-ref", 1200, 10
     logged = list(range(every, steps + 1, every))
     _fresh(cluster, name, ref)
     ref_started = time.time()

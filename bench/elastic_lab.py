@@ -1,0 +1,253 @@
+"""Elastic, mixed training + inference through Slurm on a 3-node lab (issue 26's acceptance), end to end:
+
+    python bench/elastic_lab.py [--steps 2000] [--keep] [--inventory INV]
+
+A lab of its own (`el`, the default group layout but every node a Slurm compute node and the two inference nodes'
+replicas Slurm-run: inference_service_scheduled), deployed by site.yml with molecule slurm's QOS and accounts. Then:
+an uninterrupted 2-node reference job, exported and published; one replica (`serve scale`); the same job again on the
+two other nodes; `shardstack serve autoscale` (min 1, max 2) and a load ramp through the load balancer until the
+autoscaler's second replica has preempted the training job; the load stops, the replica goes after the cooldown, the
+job resumes on its nodes and finishes; its losses against the reference's; last, `serve scale` to 0 and back.
+Prints each phase with its time and the figures; exits non-zero when a check fails. --inventory: a lab already
+deployed this way (no lab up, no deploy, not taken down). --keep: leave the lab up.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from collections import Counter
+from pathlib import Path
+from typing import Any
+
+import yaml
+from shardstack.build.wheelhouse import build
+from shardstack.cli.output import Progress
+from shardstack.lab import lab
+from shardstack.ops import endpoint, replicas, train
+from shardstack.ops import serve as opserve
+from shardstack.ops.inventory import Cluster
+from shardstack.ops.jobs.common import identifier
+from shardstack.ops.runner import project_dir, run_command, run_playbook
+from shardstack.train.config import config_from_dict
+
+LAB = "el"
+T0 = time.monotonic()
+
+
+def say(msg: str) -> None:
+    print(f"[{time.monotonic() - T0:7.1f}s] {msg}", flush=True)
+
+
+def check(ok: bool, what: str) -> None:
+    if not ok:
+        raise SystemExit(f"FAILED: {what}")
+    say(f"ok: {what}")
+
+
+def wait(what: str, probe: Any, timeout: float = 600, poll: float = 3) -> Any:
+    deadline = time.monotonic() + timeout
+    while not (value := probe()):
+        if time.monotonic() > deadline:
+            raise SystemExit(f"FAILED: timed out waiting for {what}")
+        time.sleep(poll)
+    return value
+
+
+def lab_inventory(inventory: Path) -> None:
+    """Every node a Slurm compute node, the inference nodes' replicas Slurm-run; molecule slurm's QOS and accounts."""
+    doc = yaml.safe_load(inventory.read_text())
+    doc["all"]["children"]["train_nodes"] = {"hosts": {h: {} for h in sorted(doc["all"]["hosts"])}}
+    inventory.write_text(yaml.safe_dump(doc))
+    scenario = yaml.safe_load((project_dir() / "molecule/slurm/molecule.yml").read_text())
+    slurm = scenario["provisioner"]["inventory"]["group_vars"]["all"]
+    group_vars = inventory.parent / "group_vars"
+    group_vars.mkdir()
+    (group_vars / "all.yml").write_text(yaml.safe_dump({
+        **{k: slurm[k] for k in ("shardstack_scheduler", "slurm_qos", "slurm_accounts", "slurm_users",
+                                 "slurm_cred_expire", "slurm_kill_wait", "slurm_slurmd_timeout")},
+        "slurm_account_units": {"inference": "shardstack-inference.service"},
+        "prometheus_scrape_interval": "5s", "prometheus_scrape_timeout": "4s",
+        "journal_collector_keep_free_percent": 0}))
+    (group_vars / "inference_nodes.yml").write_text(yaml.safe_dump({"inference_service_scheduled": True}))
+
+
+def job(cluster: Cluster, name: str, steps: int) -> dict[str, Any]:
+    shared = cluster.setting("training_runtime_shared_dir", "training_runtime", "train_nodes")
+    return config_from_dict({
+        "model": {"size": "tiny"}, "data": {"path": f"{shared}/data/corpus"}, "engine": {"stage": 3},
+        "schedule": {"warmup_steps": 2, "total_steps": steps}, "batch": {"global_batch": 4, "micro_batch": 2},
+        "checkpoint": {"dir": f"{shared}/checkpoints/{name}", "interval": 100},
+        "metrics": {"port": 0, "log_every": 10}}).to_dict()
+
+
+def journal(cluster: Cluster, name: str, since: float, grep: str) -> str:
+    res = run_command(["journalctl", "--identifier", identifier(name), "--since", f"@{int(since)}", "--no-pager",
+                       "-o", "cat", "--grep", grep], cluster.path, "train_nodes")
+    return "\n".join(r.stdout for r in res.values() if r.success)
+
+
+def losses(text: str) -> dict[int, float]:
+    out = {}
+    for line in text.splitlines():
+        if (start := line.find('{"')) >= 0:
+            try:
+                rec = json.loads(line[start:])
+            except ValueError:
+                continue
+            if isinstance(rec, dict) and isinstance(rec.get("step"), int) and "loss" in rec:
+                out[rec["step"]] = rec["loss"]
+    return out
+
+
+def running(cluster: Cluster) -> list[replicas.ReplicaJob]:
+    return [j for j in replicas.replicas(cluster) if j.state == "RUNNING"]
+
+
+def serves(ep: endpoint.Endpoint) -> bool:
+    return endpoint.complete(ep, "Once upon a time", max_tokens=2, timeout=30).status == 200
+
+
+def scenario(cluster: Cluster, steps: int) -> dict[str, Any]:
+    figures: dict[str, Any] = {}
+    settings = replicas.ReplicaSettings.of(cluster)
+    ep = endpoint.endpoint(cluster)
+
+    # The reference: uninterrupted, on two nodes, nothing else running; its last checkpoint is the served model.
+    ref_started = time.time()
+    sub = train.submit(job(cluster, "ref", steps), "ref", cluster, nodes=2, account="research", prepare_demo_data=True)
+    check(sub.success, "reference job submitted")
+    check(train.wait_job("ref", cluster, timeout=3600, poll=5).state == "finished", "reference job finished")
+    ref = losses(journal(cluster, "ref", ref_started, '"loss"'))
+    say(f"reference: {len(ref)} logged losses, last {ref.get(steps)}")
+    published = opserve.publish(cluster, "ref", rollout_after=False)
+    say(f"published {published.job} step {published.step}")
+
+    # One replica, by hand.
+    t = time.monotonic()
+    replicas.scale(cluster, 1, settings)
+    wait("one replica serving", lambda: len(running(cluster)) == 1 and serves(ep), timeout=600, poll=3)
+    first = running(cluster)[0]
+    figures["first replica serving (s)"] = round(time.monotonic() - t, 1)
+    say(f"replica job {first.job_id} serves from {first.node}")
+
+    # The same training job on the two other nodes.
+    started = time.time()
+    check(train.submit(job(cluster, "elastic", steps), "elastic", cluster, nodes=2, account="research").success,
+          "training job submitted")
+    st = wait("training at step 5", lambda: (s := train.status("elastic", cluster)).last_step
+              and s.last_step["step"] >= 5 and s, timeout=900)
+    job_id = st.slurm.job_id
+    say(f"training job {job_id} on {st.slurm.nodelist} at step {st.last_step['step']}")
+
+    # The autoscaler and a load ramp until the second replica has taken a node from the training job.
+    log_path = Path(tempfile.mkdtemp()) / "autoscale.log"
+    scaler = subprocess.Popen(
+        [sys.executable, "-m", "shardstack", "serve", "autoscale", "-i", str(cluster.path), "--min-replicas", "1",
+         "--max-replicas", "2", "--target-load", "1", "--max-waiting", "1", "--max-ttft-p95", "60",
+         "--up-cooldown", "10", "--down-cooldown", "90", "--interval", "5", "--window", "30s"],
+        stdout=log_path.open("w"), stderr=subprocess.STDOUT)
+    codes: Counter = Counter()
+    stop = threading.Event()
+
+    def client(i: int) -> None:
+        while not stop.is_set():
+            r = endpoint.complete(ep, f"Once upon a time {i}", max_tokens=48, timeout=120)
+            codes[r.status] += 1
+
+    try:
+        clients = [threading.Thread(target=client, args=(i,)) for i in range(6)]
+        t = time.monotonic()
+        for c in clients:
+            c.start()
+        try:
+            wait("the second replica serving and the training job preempted",
+                 lambda: len(running(cluster)) == 2 and train.status("elastic", cluster).state == "pending",
+                 timeout=900, poll=5)
+            figures["load → 2 replicas (s)"] = round(time.monotonic() - t, 1)
+            time.sleep(30)  # load on two replicas
+        finally:
+            stop.set()
+            for c in clients:
+                c.join(150)
+        figures["requests under load"] = dict(codes)
+        say(f"load stopped: {dict(codes)}")
+        t = time.monotonic()
+        wait("the scale-in", lambda: "down 2→1" in log_path.read_text() and len(replicas.replicas(cluster)) == 1,
+             timeout=900, poll=5)
+        figures["load off → 1 replica (s)"] = round(time.monotonic() - t, 1)
+    finally:
+        scaler.terminate()
+        scaler.wait(60)
+    decisions = [ln for ln in log_path.read_text().splitlines() if "autoscale: " in ln]
+    figures["decisions"] = Counter(re.findall(r"autoscale: (up|down|hold) ", "\n".join(decisions)))
+    say("decisions that changed the count:\n  " + "\n  ".join(d for d in decisions if " up " in d or " down " in d))
+    check(set(codes) <= {200, 429} and codes[200] > 0, f"no failed request across scale-out and scale-in: {codes}")
+
+    final = train.wait_job("elastic", cluster, timeout=3600, poll=5)
+    check(final.state == "finished", "the preempted job finished")
+    saved = re.findall(r"stopping after step (\d+) on (?:SIGUSR1|a signal on another rank)",
+                       journal(cluster, "elastic", started, "stopping after step"))
+    resumed = re.findall(r"resumed from \S*/step_(\d+) ", journal(cluster, "elastic", started, "resumed from"))
+    check(bool(saved) and [int(r) for r in resumed] == [int(saved[0])], f"checkpointed at {saved}, resumed {resumed}")
+    got = losses(journal(cluster, "elastic", started, '"loss"'))
+    worst = max(abs(got[k] - ref[k]) / max(1.0, abs(ref[k])) for k in ref)
+    check(set(ref) <= set(got) and worst <= 1e-5, f"losses as the reference's (max relative difference {worst:.1e})")
+    figures.update({"preempted after step": int(saved[0]), "max relative loss difference": f"{worst:.1e}"})
+
+    # By hand: none, and back.
+    replicas.scale(cluster, 0, settings)
+    wait("no replica", lambda: not replicas.replicas(cluster), timeout=300)
+    down = endpoint.complete(ep, "x", max_tokens=2)
+    check(down.status == 503, f"no replica: the edge answers 503 ({down.status})")
+    t = time.monotonic()
+    replicas.scale(cluster, 1, settings)
+    wait("a replica again", lambda: len(running(cluster)) == 1 and serves(ep), timeout=600)
+    figures["0 → 1 replica serving (s)"] = round(time.monotonic() - t, 1)
+    replicas.scale(cluster, 0, settings)
+    return figures
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--steps", type=int, default=2000, help="the training job's steps (default 2000)")
+    p.add_argument("--inventory", type=Path, help="a lab already deployed this way")
+    p.add_argument("--keep", action="store_true", help="leave the lab up")
+    args = p.parse_args()
+    if os.geteuid() != 0:
+        raise SystemExit("the lab needs root")
+    if args.inventory:
+        figures = scenario(Cluster.load(args.inventory), args.steps)
+    else:
+        wh = build(project_dir(), log=lambda m: print(m, file=sys.stderr))
+        if LAB in lab.st.list_labs():
+            lab.down(LAB, Progress())
+        inventory = Path(tempfile.mkdtemp(prefix="elastic-")) / "hosts.yml"
+        lab.up(LAB, 3, inventory, Progress())
+        try:
+            lab_inventory(inventory)
+            t = time.monotonic()
+            deployed = run_playbook("site.yml", inventory, extravars={"training_runtime_wheelhouse_src": str(wh.path)})
+            check(deployed.success, f"site.yml ({time.monotonic() - t:.0f}s): "
+                  f"{ {h: r.failed_task for h, r in deployed.hosts.items() if not r.success} }")
+            figures = scenario(Cluster.load(inventory), args.steps)
+        finally:
+            if args.keep:
+                say(f"lab kept: {inventory}")
+            else:
+                lab.down(LAB, Progress())
+    print("\nelastic lab (issue 26):")
+    for k, v in figures.items():
+        print(f"  {k}: {dict(v) if isinstance(v, Counter) else v}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
