@@ -80,7 +80,7 @@ def lab_inventory(inventory: Path) -> None:
 
 
 def job(cluster: Cluster, name: str, steps: int) -> dict[str, Any]:
-    shared = cluster.setting("training_runtime_shared_dir", "training_runtime", "train_nodes")
+    shared = cluster.shared_dir
     return config_from_dict({
         "model": {"size": "tiny"}, "data": {"path": f"{shared}/data/corpus"}, "engine": {"stage": 3},
         "schedule": {"warmup_steps": 2, "total_steps": steps}, "batch": {"global_batch": 4, "micro_batch": 2},

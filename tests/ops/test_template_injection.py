@@ -19,7 +19,7 @@ from shardstack.cli import build_parser
 from shardstack.cli import main as cli_main
 from shardstack.cli.deploy import run_and_report
 from shardstack.errors import ShardstackError
-from shardstack.ops import cordon
+from shardstack.ops import cordon, runner
 from shardstack.ops import train as train_ops
 from shardstack.ops.inventory import Cluster
 from shardstack.ops.runner import run_command, run_module, run_playbook, state_dir
@@ -147,7 +147,7 @@ def test_train_submit_passes_config_and_cordoned_names_inert(tmp_path: Path, mar
     markers += [tmp_path / "m1", tmp_path / "m2"]
     inv = _inventory(tmp_path, shardstack_scheduler="systemd")
     cordoned = f"n9{_pipe(markers[0])}"
-    monkeypatch.setattr(cordon, "state_dir", lambda: tmp_path / "controller-state")
+    monkeypatch.setattr(runner, "state_dir", lambda: tmp_path / "controller-state")
     cordon.state_file(inv).parent.mkdir(parents=True)
     cordon.state_file(inv).write_text(json.dumps({cordoned: {"roles": ["train"]}}))
     config = {"data": {"path": f"/srv/shardstack/data/{_pipe(markers[1])}"}}  # under the default shared dir

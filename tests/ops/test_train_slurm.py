@@ -128,17 +128,26 @@ def _value(expression: str, **variables) -> object:
     return _templar("training_runtime", {"groups": GROUPS, **variables}).template(trust_as_template(expression))
 
 
-@pytest.mark.parametrize(("variables", "hosts"), [
-    ({}, "t1,t2,t3"),
-    ({"train_job_nodes": 1}, "t1"),
-    ({"train_job_exclude": ["t1"], "train_job_nodes": 1}, "t2"),
-    # Slurm places the job: every eligible node gets its config, sbatch asks for the number of nodes.
-    ({"shardstack_scheduler": "slurm", "train_job_nodes": 1}, "t1,t2,t3"),
-    ({"shardstack_scheduler": "slurm", "train_job_exclude": ["t2"]}, "t1,t3"),
-    ({"train_job_exclude": ["t1", "t2", "t3"]}, "train_nodes:!all"),
+@pytest.mark.parametrize(("variables", "scheduler", "hosts"), [
+    ({}, None, "t1,t2,t3"),
+    ({"train_job_nodes": 1}, None, "t1"),
+    ({"train_job_exclude": ["t1"], "train_job_nodes": 1}, "systemd", "t2"),
+    # Slurm places the job: every eligible node gets its config, sbatch asks for the number of nodes. The scheduler
+    # comes from the nodes' own variables (group_vars), which a play's `hosts:` could not read.
+    ({"train_job_nodes": 1}, "slurm", "t1,t2,t3"),
+    ({"train_job_exclude": ["t2"]}, "slurm", "t1,t3"),
+    ({"train_job_exclude": ["t1", "t2", "t3"]}, None, ""),
 ])
-def test_the_submit_play_runs_on_the_nodes_its_scheduler_needs(variables: dict, hosts: str) -> None:
-    assert _value(SUBMIT[1]["hosts"], **variables) == hosts
+def test_the_submit_play_runs_on_the_nodes_its_scheduler_needs(variables: dict, scheduler: str | None,
+                                                               hosts: str) -> None:
+    choose = SUBMIT[0]
+    known = {"hostvars": {h: {"shardstack_scheduler": scheduler} if scheduler else {} for h in GROUPS["all"]},
+             **variables}
+    for name in ("__eligible", "__nodes", "__scheduler"):
+        known[name] = _value(choose["vars"][name], **known)
+    add = next(t for t in choose["tasks"] if "ansible.builtin.add_host" in t)
+    assert ",".join(_value(add["loop"], **known)) == hosts
+    assert SUBMIT[1]["hosts"] == add["ansible.builtin.add_host"]["groups"]
 
 
 def test_the_slurm_job_asks_for_its_nodes_gpus_and_excludes_cordoned_ones_by_address() -> None:

@@ -20,16 +20,18 @@ from shardstack.ops.runner import run_command
 JOB_NAME = "shardstack-replica"
 UNIT = "shardstack-inference.service"
 INFERENCE_GROUP = "inference_nodes"
-# The job's script, as the job account: hold the node while the unit the prolog started is starting, serving or
-# restarting; end (and so free the node) once it has stopped or failed, or if it never started within a minute.
-# scancel ends it, and the epilog drains the unit.
+# squeue's fields: job id, state, node, submit time.
+_FORMAT = "%i|%T|%N|%V"
+
+
 def hold_script(interval: float = 5, start_polls: int = 12) -> str:
+    """The job's script, as the job account: hold the node while the unit the prolog started is starting, serving or
+    restarting; end (and so free the node) once it has stopped or failed, or if it never started within
+    `start_polls` × `interval` seconds. scancel ends it, and the epilog drains the unit."""
     return (f"u={UNIT}; seen=0; n=0; while :; do case $(systemctl show -p ActiveState --value $u) in "
             "active|activating|reloading|deactivating) seen=1 ;; "
             f"*) {{ [ $seen = 1 ] || [ $n -ge {start_polls} ]; }} && exit 1 ;; esac; n=$((n + 1)); sleep {interval}; "
             "done")
-# squeue's fields: job id, state, node, submit time.
-_FORMAT = "%i|%T|%N|%V"
 
 
 @dataclass(frozen=True)
