@@ -1,6 +1,6 @@
 """Elastic, mixed training + inference through Slurm on a 3-node lab (issue 26's acceptance), end to end:
 
-    python bench/elastic_lab.py [--steps 2000] [--keep] [--inventory INV]
+    python bench/elastic_lab.py [--steps 4000] [--keep] [--inventory INV]
 
 A lab of its own (`el`, the default group layout but every node a Slurm compute node and the two inference nodes'
 replicas Slurm-run: inference_service_scheduled), deployed by site.yml with molecule slurm's QOS and accounts. Then:
@@ -75,7 +75,9 @@ def lab_inventory(inventory: Path) -> None:
                                  "slurm_cred_expire", "slurm_kill_wait", "slurm_slurmd_timeout")},
         "slurm_account_units": {"inference": "shardstack-inference.service"},
         "prometheus_scrape_interval": "5s", "prometheus_scrape_timeout": "4s",
-        "journal_collector_keep_free_percent": 0}))
+        "journal_collector_keep_free_percent": 0,
+        # The load comes from one address: the edge's per-client limit (600 requests / 10 s) would answer it 429.
+        "loadbalancer_rate_limit_requests": 1000000}))
     (group_vars / "inference_nodes.yml").write_text(yaml.safe_dump({"inference_service_scheduled": True}))
 
 
@@ -119,6 +121,12 @@ def scenario(cluster: Cluster, steps: int) -> dict[str, Any]:
     figures: dict[str, Any] = {}
     settings = replicas.ReplicaSettings.of(cluster)
     ep = endpoint.endpoint(cluster)
+    # A fresh start on a lab used before: no replica, no checkpoint of these jobs.
+    replicas.scale(cluster, 0, settings)
+    head = cluster.group("train_nodes")[0]
+    for name in ("ref", "elastic"):
+        train.stop(name, cluster)
+        run_command(["rm", "-rf", f"{cluster.shared_dir}/checkpoints/{name}"], cluster.path, head)
 
     # The reference: uninterrupted, on two nodes, nothing else running; its last checkpoint is the served model.
     ref_started = time.time()
@@ -159,11 +167,13 @@ def scenario(cluster: Cluster, steps: int) -> dict[str, Any]:
 
     def client(i: int) -> None:
         while not stop.is_set():
-            r = endpoint.complete(ep, f"Once upon a time {i}", max_tokens=48, timeout=120)
+            r = endpoint.complete(ep, f"Once upon a time {i}", max_tokens=32, timeout=120)
             codes[r.status] += 1
+            if r.status == 429:
+                time.sleep(1)  # Retry-After
 
     try:
-        clients = [threading.Thread(target=client, args=(i,)) for i in range(6)]
+        clients = [threading.Thread(target=client, args=(i,)) for i in range(8)]
         t = time.monotonic()
         for c in clients:
             c.start()
@@ -185,7 +195,10 @@ def scenario(cluster: Cluster, steps: int) -> dict[str, Any]:
         figures["load off → 1 replica (s)"] = round(time.monotonic() - t, 1)
     finally:
         scaler.terminate()
-        scaler.wait(60)
+        try:
+            check(scaler.wait(60) == 0, "the autoscaler stopped on SIGTERM")
+        finally:
+            scaler.kill()
     decisions = [ln for ln in log_path.read_text().splitlines() if "autoscale: " in ln]
     figures["decisions"] = Counter(re.findall(r"autoscale: (up|down|hold) ", "\n".join(decisions)))
     say("decisions that changed the count:\n  " + "\n  ".join(d for d in decisions if " up " in d or " down " in d))
@@ -217,7 +230,7 @@ def scenario(cluster: Cluster, steps: int) -> dict[str, Any]:
 
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--steps", type=int, default=2000, help="the training job's steps (default 2000)")
+    p.add_argument("--steps", type=int, default=4000, help="the training job's steps (default 4000)")
     p.add_argument("--inventory", type=Path, help="a lab already deployed this way")
     p.add_argument("--keep", action="store_true", help="leave the lab up")
     args = p.parse_args()

@@ -319,10 +319,11 @@ def _scale(args: argparse.Namespace) -> int:
 
 
 def _autoscale(args: argparse.Namespace) -> int:
+    import fcntl
     import signal
     import time
 
-    from shardstack.ops import autoscale, replicas
+    from shardstack.ops import autoscale, replicas, runner
     from shardstack.ops.runner import inventory_state_file
     from shardstack.ops.status import prom_query, sources
 
@@ -337,6 +338,12 @@ def _autoscale(args: argparse.Namespace) -> int:
         raise ShardstackError("no Prometheus: the inventory has no monitoring_server", hint="pass --prometheus URL")
     settings = replicas.ReplicaSettings.of(cluster, args.account, args.qos)
     state_path = inventory_state_file(cluster.path, "autoscale")
+    state_path.parent.mkdir(parents=True, exist_ok=True)
+    lock = state_path.with_suffix(".lock").open("w")
+    try:  # two autoscalers of one tier would each correct the other's count
+        fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        raise ShardstackError(f"another `serve autoscale` runs for this inventory (lock {lock.name})") from None
     state = autoscale.State.load(state_path)
     stopping = False
 
@@ -345,6 +352,8 @@ def _autoscale(args: argparse.Namespace) -> int:
         stopping = True
 
     signal.signal(signal.SIGTERM, stop)
+    signal.signal(signal.SIGINT, stop)
+    runner.cancel = lambda: stopping  # ansible-runner keeps its hands off the signals (and stops a run on one)
     log.info("autoscale: %d..%d replica(s), every %gs, Prometheus %s, state %s%s", policy.min_replicas,
              policy.max_replicas, args.interval, prometheus, state_path, " (dry run)" if args.dry_run else "")
     failed = False
