@@ -128,9 +128,9 @@ def test_logs_exits_1_when_the_collector_is_down(tmp_path: Path) -> None:
 
 # 4. --json on every command that reports -------------------------------------------------------------------------
 
-# What prints no report of its own: the inference server, a Ray unit's start step (the staged copy's path), and a
-# command run inside a lab node (its output is the command's).
-NO_REPORT = {("serve",), ("serve", "stage"), ("lab", "exec")}
+# What prints no report of its own: the inference server and the autoscaler (long-running: they log), a Ray unit's
+# start step (the staged copy's path), and a command run inside a lab node (its output is the command's).
+NO_REPORT = {("serve",), ("serve", "stage"), ("serve", "autoscale"), ("lab", "exec")}
 
 
 def _leaf_parsers() -> dict[tuple[str, ...], argparse.ArgumentParser]:
