@@ -15,7 +15,6 @@ deployed this way (no lab up, no deploy, not taken down). --keep: leave the lab 
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import re
 import subprocess
@@ -34,7 +33,7 @@ from shardstack.lab import lab
 from shardstack.ops import endpoint, replicas, train
 from shardstack.ops import serve as opserve
 from shardstack.ops.inventory import Cluster
-from shardstack.ops.jobs.common import identifier
+from shardstack.ops.jobs.common import identifier, step_records
 from shardstack.ops.runner import project_dir, run_command, run_playbook
 from shardstack.train.config import config_from_dict
 
@@ -97,16 +96,7 @@ def journal(cluster: Cluster, name: str, since: float, grep: str) -> str:
 
 
 def losses(text: str) -> dict[int, float]:
-    out = {}
-    for line in text.splitlines():
-        if (start := line.find('{"')) >= 0:
-            try:
-                rec = json.loads(line[start:])
-            except ValueError:
-                continue
-            if isinstance(rec, dict) and isinstance(rec.get("step"), int) and "loss" in rec:
-                out[rec["step"]] = rec["loss"]
-    return out
+    return {rec["step"]: rec["loss"] for rec in step_records(text)}
 
 
 def running(cluster: Cluster) -> list[replicas.ReplicaJob]:

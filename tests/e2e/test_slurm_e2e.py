@@ -11,7 +11,6 @@ Runs in molecule slurm's verify (SHARDSTACK_SLURM_INVENTORY, ~4 min); a plain `p
 
 from __future__ import annotations
 
-import json
 import os
 import re
 import time
@@ -21,7 +20,7 @@ from typing import Any
 import pytest
 from shardstack.ops import train
 from shardstack.ops.inventory import Cluster
-from shardstack.ops.jobs.common import identifier, unit
+from shardstack.ops.jobs.common import identifier, step_records, unit
 from shardstack.ops.jobs.slurm import CONTROLLER
 from shardstack.ops.runner import run_command, run_playbook
 from shardstack.train.config import config_from_dict
@@ -65,17 +64,7 @@ def _job(cluster: Cluster, name: str, steps: int, interval: int, log_every: int 
 
 def _losses(texts: dict[str, str]) -> dict[int, float]:
     """step → loss from the JSON step lines rank 0 logged (on one node of the job)."""
-    out: dict[int, float] = {}
-    for text in texts.values():
-        for line in text.splitlines():
-            if (start := line.find('{"')) >= 0:
-                try:
-                    rec = json.loads(line[start:])
-                except ValueError:
-                    continue
-                if isinstance(rec, dict) and isinstance(rec.get("step"), int) and "loss" in rec:
-                    out[rec["step"]] = rec["loss"]
-    return out
+    return {rec["step"]: rec["loss"] for text in texts.values() for rec in step_records(text)}
 
 
 def _journal(inv: Path, job: str, since: float, grep: str) -> str:

@@ -7,7 +7,7 @@ from shardstack.errors import ShardstackError
 from shardstack.node.allreduce import busbw_floor, sizes
 from shardstack.ops.demo import PROMPT, DemoResult, demo_job
 from shardstack.ops.endpoint import Completion
-from shardstack.ops.jobs.common import JobStatus, NodeJobState, check_job_name, parse_step_lines
+from shardstack.ops.jobs.common import JobStatus, NodeJobState, check_job_name, parse_step_lines, step_records
 from shardstack.ops.jobs.systemd import state_of
 from shardstack.ops.validate import validate_findings
 
@@ -43,6 +43,8 @@ def test_step_lines_in_a_journal() -> None:
     ])
     assert parse_step_lines(journal) == {"step": 20, "loss": 3.1, "tokens_per_second": 110.0}
     assert parse_step_lines("nothing here") is None
+    assert [(r["step"], r["loss"]) for r in step_records(journal)] == [(10, 3.5), (20, 3.1)]
+    assert step_records("") == []
 
 
 @pytest.mark.parametrize("name", ["ok", "run-1", "a_b", "x" * 63])

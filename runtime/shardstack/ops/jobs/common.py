@@ -67,9 +67,10 @@ class JobStatus:
         return out
 
 
-def parse_step_lines(text: str) -> dict[str, Any] | None:
-    """The trainer prints one JSON object per logged step; return the newest."""
-    for line in reversed(text.splitlines()):
+def step_records(text: str) -> list[dict[str, Any]]:
+    """The trainer prints one JSON object per logged step (after a journal prefix or none): every one, in order."""
+    records = []
+    for line in text.splitlines():
         start = line.find("{")
         if start < 0:
             continue
@@ -78,5 +79,11 @@ def parse_step_lines(text: str) -> dict[str, Any] | None:
         except ValueError:
             continue
         if isinstance(rec, dict) and isinstance(rec.get("step"), int) and "loss" in rec:
-            return rec
-    return None
+            records.append(rec)
+    return records
+
+
+def parse_step_lines(text: str) -> dict[str, Any] | None:
+    """The newest logged step."""
+    records = step_records(text)
+    return records[-1] if records else None
