@@ -50,6 +50,8 @@ def test_a_replica_job_asks_for_one_whole_inference_node_in_the_inference_qos() 
     assert subprocess.run(["sh", "-n", "-c", script], timeout=10).returncode == 0
     other = sbatch_argv(ReplicaSettings(user="svc", account="serving", qos="urgent"))
     assert {"--account=serving", "--qos=urgent"} <= set(other) and other[2] == "svc"
+    with pytest.raises(ShardstackError, match="replica qos 'a b' is not a Slurm name"):
+        ReplicaSettings(user="svc", qos="a b")
 
 
 def _hold(tmp_path: Path, states: list[str], wait: float) -> tuple[int | None, int]:

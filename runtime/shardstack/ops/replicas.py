@@ -16,6 +16,7 @@ from shardstack.errors import ShardstackError
 from shardstack.ops.inventory import Cluster
 from shardstack.ops.jobs.slurm import CONTROLLER
 from shardstack.ops.runner import run_command
+from shardstack.ops.train import SLURM_NAME
 
 JOB_NAME = "shardstack-replica"
 UNIT = "shardstack-inference.service"
@@ -55,6 +56,11 @@ class ReplicaSettings:
     account: str = "inference"
     qos: str = "inference"
     feature: str = "inference"
+
+    def __post_init__(self) -> None:
+        for what, value in (("account", self.account), ("qos", self.qos), ("feature", self.feature)):
+            if not SLURM_NAME.match(value):
+                raise ShardstackError(f"replica {what} {value!r} is not a Slurm name", hint="[A-Za-z0-9_.-]")
 
     @classmethod
     def of(cls, cluster: Cluster, account: str = "inference", qos: str = "inference") -> ReplicaSettings:
