@@ -1,5 +1,3 @@
-import sys
+from shardstack.cli import entry
 
-from shardstack.cli import main
-
-sys.exit(main())
+entry()

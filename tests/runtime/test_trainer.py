@@ -118,20 +118,27 @@ def test_metrics_endpoint_serves_the_gauges():
     assert "shardstack_train_last_step_timestamp_seconds " in body
 
 
-@pytest.mark.parametrize("under_torchrun", [True, False])
-def test_leave_worker_ends_only_a_torchrun_worker_and_flushes_first(under_torchrun):
+@pytest.mark.parametrize(("under_torchrun", "own_process"), [(True, False), (False, True), (False, False)])
+def test_leave_worker_ends_a_torchrun_worker_or_a_process_of_its_own_and_flushes_first(under_torchrun, own_process):
     code = ("import logging, sys\nfrom shardstack.train.dist import leave_worker\n"
             "logging.basicConfig(); logging.getLogger('t').warning('logged')\n"
-            "sys.stdout.write('printed'); leave_worker(3); print(' and returned')")
+            f"sys.stdout.write('printed'); leave_worker(3, own_process={own_process}); print(' and returned')")
     env = {k: v for k, v in os.environ.items() if k != "TORCHELASTIC_RUN_ID"}
     if under_torchrun:
         env["TORCHELASTIC_RUN_ID"] = "test"
     proc = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)
     assert "logged" in proc.stderr
-    if under_torchrun:  # the block-buffered pipe was flushed before os._exit
+    if under_torchrun or own_process:  # the block-buffered pipe was flushed before os._exit
         assert (proc.returncode, proc.stdout) == (3, "printed")
     else:
         assert (proc.returncode, proc.stdout) == (0, "printed and returned\n")
+
+
+def test_only_the_shardstack_program_owns_its_process():
+    code = ("import shardstack.cli as c\nprint(c.owns_process())\n"
+            "c.main = lambda: print(c.owns_process()) or 4\nc.entry()")
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert (proc.returncode, proc.stdout.split()) == (4, ["False", "True"])
 
 
 @pytest.mark.distributed

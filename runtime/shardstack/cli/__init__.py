@@ -58,6 +58,20 @@ def build_parser(argv: list[str]) -> argparse.ArgumentParser:
     return parser
 
 
+_OWN_PROCESS = False
+
+
+def owns_process() -> bool:
+    """True in the `shardstack` program (console script, `python -m shardstack`), false when main() is called in-process."""
+    return _OWN_PROCESS
+
+
+def entry() -> None:
+    global _OWN_PROCESS
+    _OWN_PROCESS = True
+    sys.exit(main())
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     parser = build_parser(argv)
@@ -81,4 +95,4 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    entry()

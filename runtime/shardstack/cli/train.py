@@ -100,7 +100,9 @@ def _run(args: argparse.Namespace) -> int:
     else:
         log.info("done: step %d, last loss %.4f", result.final_step,
                  result.losses[-1] if result.losses else float("nan"))
-    dist.leave_worker(0)
+    from shardstack.cli import owns_process
+
+    dist.leave_worker(0, own_process=owns_process())
     return 0
 
 

@@ -140,15 +140,17 @@ def shutdown() -> None:
         dist.destroy_process_group()
 
 
-def leave_worker(code: int) -> None:
-    """End a torchrun worker now, without interpreter finalization; outside torchrun, return and let the caller go on.
+def leave_worker(code: int, *, own_process: bool = False) -> None:
+    """End a torchrun worker (or a process of its own) now, without interpreter finalization; called in-process
+    outside torchrun, return and let the caller go on.
 
     Gloo's worker threads release a collective's tensors just after the collective has returned to Python. When
     that release lands in interpreter finalization, the thread cannot take the GIL, unwinds through a noexcept
-    destructor and the process aborts (SIGABRT), so torchrun reports a finished job as failed (pytorch#179291).
-    A worker whose output is flushed has nothing left to finalize.
+    destructor and the process aborts (SIGABRT), so torchrun reports a finished job as failed (pytorch#179291);
+    a single-process `shardstack train run` aborts the same way. A process whose output is flushed has nothing
+    left to finalize.
     """
-    if "TORCHELASTIC_RUN_ID" not in os.environ:
+    if not own_process and "TORCHELASTIC_RUN_ID" not in os.environ:
         return
     logging.shutdown()
     sys.stdout.flush()
