@@ -5,8 +5,9 @@
 A lab of its own (`el`, the default group layout but every node a Slurm compute node and the two inference nodes'
 replicas Slurm-run: inference_service_scheduled), deployed by site.yml with molecule slurm's QOS and accounts. Then:
 an uninterrupted 2-node reference job, exported and published; one replica (`serve scale`); the same job again on the
-two other nodes; `shardstack serve autoscale` (min 1, max 2) and a load ramp through the load balancer until the
-autoscaler's second replica has preempted the training job; the load stops, the replica goes after the cooldown, the
+two other nodes; the autoscaler's unit on the Slurm controller (min 1, max 2, deployed with short cooldowns and
+held stopped until now) and a load ramp through the load balancer until its second replica has preempted the
+training job; the load stops, the replica goes after the cooldown, the
 job resumes on its nodes and finishes; its losses against the reference's; last, `serve scale` to 0 and back.
 Prints each phase with its time and the figures; exits non-zero when a check fails. --inventory: a lab already
 deployed this way (no lab up, no deploy, not taken down). --keep: leave the lab up.
@@ -17,7 +18,6 @@ from __future__ import annotations
 import argparse
 import os
 import re
-import subprocess
 import sys
 import tempfile
 import threading
@@ -73,6 +73,11 @@ def lab_inventory(inventory: Path) -> None:
         **{k: slurm[k] for k in ("shardstack_scheduler", "slurm_qos", "slurm_accounts", "slurm_users",
                                  "slurm_cred_expire", "slurm_kill_wait", "slurm_slurmd_timeout")},
         "slurm_account_units": {"inference": "shardstack-inference.service"},
+        # The autoscaler's unit, on a short clock; the scenario starts it for the load and stops it after.
+        "inference_service_autoscale": True, "inference_service_autoscale_target_load": 1,
+        "inference_service_autoscale_max_waiting": 1, "inference_service_autoscale_max_ttft_p95": 60,
+        "inference_service_autoscale_up_cooldown": 10, "inference_service_autoscale_down_cooldown": 90,
+        "inference_service_autoscale_interval": 5, "inference_service_autoscale_window": "30s",
         "prometheus_scrape_interval": "5s", "prometheus_scrape_timeout": "4s",
         "journal_collector_keep_free_percent": 0,
         # The load comes from one address: the edge's per-client limit (600 requests / 10 s) would answer it 429.
@@ -99,8 +104,22 @@ def losses(text: str) -> dict[int, float]:
     return {rec["step"]: rec["loss"] for rec in step_records(text)}
 
 
-def running(cluster: Cluster) -> list[replicas.ReplicaJob]:
-    return [j for j in replicas.replicas(cluster) if j.state == "RUNNING"]
+def running(slurm: replicas.Slurm) -> list[replicas.ReplicaJob]:
+    return [j for j in replicas.replicas(slurm) if j.state == "RUNNING"]
+
+
+def autoscaler(cluster: Cluster, action: str) -> str:
+    """systemctl ACTION shardstack-autoscale on the Slurm controller; its output."""
+    res = next(iter(run_command(["systemctl", action, "shardstack-autoscale.service"], cluster.path,
+                                "slurm_controller[0]").values()))
+    return res.stdout.strip() or res.stderr.strip()
+
+
+def decisions_since(cluster: Cluster, since: float) -> list[str]:
+    res = next(iter(run_command(["journalctl", "-u", "shardstack-autoscale.service", "--since", f"@{int(since)}",
+                                 "--no-pager", "-o", "cat", "--grep", "autoscale: (up|down|hold) "], cluster.path,
+                                "slurm_controller[0]").values()))
+    return res.stdout.splitlines()
 
 
 def serves(ep: endpoint.Endpoint) -> bool:
@@ -109,10 +128,11 @@ def serves(ep: endpoint.Endpoint) -> bool:
 
 def scenario(cluster: Cluster, steps: int) -> dict[str, Any]:
     figures: dict[str, Any] = {}
-    settings = replicas.ReplicaSettings.of(cluster)
+    settings, slurm = replicas.ReplicaSettings(), replicas.ClusterSlurm.of(cluster)
     ep = endpoint.endpoint(cluster)
-    # A fresh start on a lab used before: no replica, no checkpoint of these jobs.
-    replicas.scale(cluster, 0, settings)
+    # A fresh start on a lab used before: no autoscaler yet, no replica, no checkpoint of these jobs.
+    autoscaler(cluster, "stop")
+    replicas.scale(slurm, 0, settings)
     head = cluster.group("train_nodes")[0]
     for name in ("ref", "elastic"):
         train.stop(name, cluster)
@@ -130,9 +150,9 @@ def scenario(cluster: Cluster, steps: int) -> dict[str, Any]:
 
     # One replica, by hand.
     t = time.monotonic()
-    replicas.scale(cluster, 1, settings)
-    wait("one replica serving", lambda: len(running(cluster)) == 1 and serves(ep), timeout=600, poll=3)
-    first = running(cluster)[0]
+    replicas.scale(slurm, 1, settings)
+    wait("one replica serving", lambda: len(running(slurm)) == 1 and serves(ep), timeout=600, poll=3)
+    first = running(slurm)[0]
     figures["first replica serving (s)"] = round(time.monotonic() - t, 1)
     say(f"replica job {first.job_id} serves from {first.node}")
 
@@ -145,13 +165,9 @@ def scenario(cluster: Cluster, steps: int) -> dict[str, Any]:
     job_id = st.slurm.job_id
     say(f"training job {job_id} on {st.slurm.nodelist} at step {st.last_step['step']}")
 
-    # The autoscaler and a load ramp until the second replica has taken a node from the training job.
-    log_path = Path(tempfile.mkdtemp()) / "autoscale.log"
-    scaler = subprocess.Popen(
-        [sys.executable, "-m", "shardstack", "serve", "autoscale", "-i", str(cluster.path), "--min-replicas", "1",
-         "--max-replicas", "2", "--target-load", "1", "--max-waiting", "1", "--max-ttft-p95", "60",
-         "--up-cooldown", "10", "--down-cooldown", "90", "--interval", "5", "--window", "30s"],
-        stdout=log_path.open("w"), stderr=subprocess.STDOUT)
+    # The autoscaler's unit and a load ramp until the second replica has taken a node from the training job.
+    scaling_since = time.time()
+    check(autoscaler(cluster, "start") == "" and autoscaler(cluster, "is-active") == "active", "the autoscaler runs")
     codes: Counter = Counter()
     stop = threading.Event()
 
@@ -169,7 +185,7 @@ def scenario(cluster: Cluster, steps: int) -> dict[str, Any]:
             c.start()
         try:
             wait("the second replica serving and the training job preempted",
-                 lambda: len(running(cluster)) == 2 and train.status("elastic", cluster).state == "pending",
+                 lambda: len(running(slurm)) == 2 and train.status("elastic", cluster).state == "pending",
                  timeout=900, poll=5)
             figures["load → 2 replicas (s)"] = round(time.monotonic() - t, 1)
             time.sleep(30)  # load on two replicas
@@ -180,18 +196,16 @@ def scenario(cluster: Cluster, steps: int) -> dict[str, Any]:
         figures["requests under load"] = dict(codes)
         say(f"load stopped: {dict(codes)}")
         t = time.monotonic()
-        wait("the scale-in", lambda: "down 2→1" in log_path.read_text() and len(replicas.replicas(cluster)) == 1,
-             timeout=900, poll=5)
+        wait("the scale-in", lambda: any("down 2→1" in d for d in decisions_since(cluster, scaling_since))
+             and len(replicas.replicas(slurm)) == 1, timeout=900, poll=5)
         figures["load off → 1 replica (s)"] = round(time.monotonic() - t, 1)
     finally:
-        scaler.terminate()
-        try:
-            check(scaler.wait(60) == 0, "the autoscaler stopped on SIGTERM")
-        finally:
-            scaler.kill()
-    decisions = [ln for ln in log_path.read_text().splitlines() if "autoscale: " in ln]
+        autoscaler(cluster, "stop")
+    check(autoscaler(cluster, "is-active") == "inactive", "the autoscaler stopped cleanly on SIGTERM (not failed)")
+    decisions = decisions_since(cluster, scaling_since)
     figures["decisions"] = Counter(re.findall(r"autoscale: (up|down|hold) ", "\n".join(decisions)))
-    say("decisions that changed the count:\n  " + "\n  ".join(d for d in decisions if " up " in d or " down " in d))
+    say("decisions that changed the count (journal of shardstack-autoscale):\n  "
+        + "\n  ".join(d for d in decisions if " up " in d or " down " in d))
     check(set(codes) <= {200, 429} and codes[200] > 0, f"no failed request across scale-out and scale-in: {codes}")
 
     final = train.wait_job("elastic", cluster, timeout=3600, poll=5)
@@ -206,15 +220,15 @@ def scenario(cluster: Cluster, steps: int) -> dict[str, Any]:
     figures.update({"preempted after step": int(saved[0]), "max relative loss difference": f"{worst:.1e}"})
 
     # By hand: none, and back.
-    replicas.scale(cluster, 0, settings)
-    wait("no replica", lambda: not replicas.replicas(cluster), timeout=300)
+    replicas.scale(slurm, 0, settings)
+    wait("no replica", lambda: not replicas.replicas(slurm), timeout=300)
     down = endpoint.complete(ep, "x", max_tokens=2)
     check(down.status == 503, f"no replica: the edge answers 503 ({down.status})")
     t = time.monotonic()
-    replicas.scale(cluster, 1, settings)
-    wait("a replica again", lambda: len(running(cluster)) == 1 and serves(ep), timeout=600)
+    replicas.scale(slurm, 1, settings)
+    wait("a replica again", lambda: len(running(slurm)) == 1 and serves(ep), timeout=600)
     figures["0 → 1 replica serving (s)"] = round(time.monotonic() - t, 1)
-    replicas.scale(cluster, 0, settings)
+    replicas.scale(slurm, 0, settings)
     return figures
 
 

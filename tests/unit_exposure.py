@@ -89,6 +89,8 @@ CASES = [
          template="shardstack-ray.service.j2", variables=PIPELINE),
     Case("Ray worker (vLLM pipeline)", "shardstack-ray.service", 2.0, "inference_service",
          template="shardstack-ray.service.j2", variables={**PIPELINE, "inventory_hostname": "n2"}),
+    Case("inference autoscaler", "shardstack-autoscale.service", 2.5, "inference_service",
+         template="shardstack-autoscale.service.j2"),
     Case("training job", "shardstack-train@job.service", 3.0, "training_runtime",
          template="shardstack-train@.service.j2"),
     Case("dcgm-exporter", "dcgm-exporter.service", 3.0, "dcgm_exporter", template="dcgm-exporter.service.j2"),

@@ -3,12 +3,15 @@ cooldowns, the maximum, scale to and from zero, and a schedule floor."""
 
 from __future__ import annotations
 
+import contextlib
+import fcntl
 import functools
 import itertools
 import json
 import shutil
 import socket
 import subprocess
+import sys
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -18,9 +21,12 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 
 import pytest
+import yaml
+from ansible_vars import RoleEval
 from prometheus_client.parser import text_string_to_metric_families
 from shardstack.errors import ShardstackError
 from shardstack.ops.autoscale import (
+    AutoscaleConfig,
     Policy,
     ScheduleFloor,
     Signals,
@@ -28,8 +34,11 @@ from shardstack.ops.autoscale import (
     decide,
     evaluate,
     read_signals,
+    run,
     write_metrics,
 )
+from shardstack.ops.replicas import LocalSlurm
+from shardstack.ops import status as status_ops
 from shardstack.ops.status import prom_query
 
 NOON = datetime(2026, 12, 3, 12, 0)
@@ -167,9 +176,9 @@ def _target(render: Callable[[int], str]) -> ThreadingHTTPServer:
     return server
 
 
-@pytest.fixture
-def prometheus(tmp_path: Path) -> Iterator[str]:
-    servers = {"inference": [_target(_builtin), _target(_vllm)], "loadbalancer": [_target(_haproxy)]}
+@contextlib.contextmanager
+def _prometheus(tmp_path: Path, servers: dict[str, list[ThreadingHTTPServer]]) -> Iterator[str]:
+    """A real Prometheus scraping `servers` (job → targets) every second, with the role's vLLM recording rules."""
     config = {"global": {"scrape_interval": "1s", "evaluation_interval": "1s"}, "rule_files": [str(RULES)],
               "scrape_configs": [{"job_name": job, "static_configs": [
                   {"targets": [f"127.0.0.1:{s.server_address[1]}" for s in group]}]}
@@ -192,6 +201,13 @@ def prometheus(tmp_path: Path) -> Iterator[str]:
         for group in servers.values():
             for s in group:
                 s.shutdown()
+
+
+@pytest.fixture
+def prometheus(tmp_path: Path) -> Iterator[str]:
+    with _prometheus(tmp_path, {"inference": [_target(_builtin), _target(_vllm)],
+                                "loadbalancer": [_target(_haproxy)]}) as base:
+        yield base
 
 
 def test_the_signals_from_a_real_prometheus_sum_both_engines_and_the_edges_queue(prometheus: str) -> None:
@@ -226,7 +242,9 @@ def test_no_series_reads_as_an_idle_tier_and_a_bad_window_is_refused() -> None:
 def test_the_decision_as_textfile_metrics_promtool_accepts(tmp_path: Path) -> None:
     d = _at(2, running=30, waiting=10, ttft=3.0, since=10)
     path = tmp_path / "autoscale.prom"
-    write_metrics(path, d, POLICY, {"up": 2, "hold": 7}, now=1_700_000_000.0)
+    state = State(decisions={"up": 2, "hold": 7}, changes=[
+        {"time": 1_699_999_000.0, "action": "up", "from": 1, "to": 2, "reason": 'saturated: "load" 9/replica'}])
+    write_metrics(path, d, POLICY, state, now=1_700_000_000.0)
     text = path.read_text()
     values = {(s.name, tuple(sorted(s.labels.items()))): s.value
               for family in text_string_to_metric_families(text) for s in family.samples}
@@ -237,6 +255,9 @@ def test_the_decision_as_textfile_metrics_promtool_accepts(tmp_path: Path) -> No
     assert values[("shardstack_autoscale_signal", (("name", "ttft_p95_seconds"),))] == 3.0
     assert values[("shardstack_autoscale_decisions_total", (("action", "hold"),))] == 7
     assert values[("shardstack_autoscale_last_decision_timestamp_seconds", ())] == 1_700_000_000.0
+    assert values[("shardstack_autoscale_change_timestamp_seconds", (
+        ("action", "up"), ("from_replicas", "1"), ("n", "1"), ("reason", 'saturated: "load" 9/replica'),
+        ("to_replicas", "2")))] == 1_699_999_000.0
     check = subprocess.run(["promtool", "check", "metrics"], input=text, capture_output=True, text=True)
     assert check.returncode == 0, check.stdout + check.stderr
 
@@ -268,3 +289,159 @@ def test_an_unreadable_state_is_an_error_not_a_reset(tmp_path: Path) -> None:
         path.write_text(text)
         with pytest.raises(ShardstackError, match=r"autoscale state .* is unreadable"):
             State.load(path)
+
+
+# The config file: what the role renders and the unit reads (`serve autoscale --config`).
+def _config(tmp_path: Path, **keys: object) -> Path:
+    doc = {"prometheus": "http://127.0.0.1:9", "state_file": str(tmp_path / "state" / "autoscale.json"), **keys}
+    path = tmp_path / "autoscale.yaml"
+    path.write_text(yaml.safe_dump(doc))
+    return path
+
+
+def test_the_role_renders_a_config_the_loader_accepts(tmp_path: Path) -> None:
+    ev = RoleEval("inference_service", {}, groups={"monitoring_server": ["ops01"]},
+                  hostvars={"ops01": {"ansible_host": "10.0.0.5"}},
+                  inference_service_autoscale_floors=["08:00-20:00=2"], inference_service_autoscale_max_ttft_p95=0)
+    rendered = ev["__inference_service_autoscale_settings"]
+    path = tmp_path / "autoscale.yaml"
+    path.write_text(yaml.safe_dump(json.loads(json.dumps(rendered))))
+    cfg = AutoscaleConfig.load(path)
+    assert (cfg.prometheus, cfg.min_replicas, cfg.max_replicas, cfg.job_user) == ("http://10.0.0.5:9090", 1, 2,
+                                                                                  "shardstack")
+    assert cfg.metrics_file == "/var/lib/prometheus/node-exporter/shardstack_autoscale.prom"
+    policy = cfg.policy()
+    assert policy.max_ttft_p95 is None and policy.floor(NOON) == 2 and policy.floor(NIGHT) == 1
+    assert (policy.up_cooldown, policy.down_cooldown, cfg.interval) == (60, 300, 15)
+
+
+@pytest.mark.parametrize(("keys", "error"), [
+    ({"max_replica": 3}, "unknown config key 'max_replica'\n  hint: did you mean 'max_replicas'"),
+    ({"max_replicas": "two"}, "config key 'max_replicas' is 'two'; expected"),
+    ({"prometheus": "ops01:9090"}, "config key 'prometheus' is 'ops01:9090'"),
+    ({"state_file": "state.json"}, "config key 'state_file' is 'state.json'; expected an absolute path"),
+    ({"window": "1 minute"}, "config key 'window'"),
+    ({"interval": 0}, "config key 'interval' is 0.0"),
+    ({"floors": ["nights"]}, "schedule floor 'nights'"),
+    ({"min_replicas": 3}, r"0 ≤ min_replicas \(3\) ≤ max_replicas \(2\)"),
+    ({"qos": "a b"}, "replica qos 'a b' is not a Slurm name"),
+    ({"job_user": "-x"}, "config key 'job_user'"),
+])
+def test_a_bad_config_is_one_line_naming_the_key(tmp_path: Path, keys: dict, error: str) -> None:
+    with pytest.raises(ShardstackError, match=error):
+        AutoscaleConfig.load(_config(tmp_path, **keys))
+    proc = subprocess.run([sys.executable, "-m", "shardstack", "serve", "autoscale", "--config",
+                           str(_config(tmp_path, **keys)), "--check"], capture_output=True, text=True, timeout=120)
+    assert proc.returncode != 0 and proc.stderr.startswith("shardstack: error: ") and "Traceback" not in proc.stderr
+
+
+def test_check_accepts_a_good_config(tmp_path: Path) -> None:
+    proc = subprocess.run([sys.executable, "-m", "shardstack", "serve", "autoscale", "--config",
+                           str(_config(tmp_path, max_replicas=3)), "--check"], capture_output=True, text=True,
+                          timeout=120)
+    assert proc.returncode == 0 and "a valid autoscaler config (1..3 replicas)" in proc.stdout, proc.stderr
+
+
+class _Queue:
+    """Slurm's queue of replica jobs, in memory, for the loop's bookkeeping (ops.replicas' Slurm interface; the real
+    squeue/sbatch/scancel run in the Slurm lab: bench/elastic_lab.py). `fail_submit`: sbatch refuses."""
+
+    def __init__(self, running: int = 0, fail_submit: bool = False) -> None:
+        self.jobs = {100 + i: "RUNNING" for i in range(running)}
+        self.fail_submit = fail_submit
+
+    def query(self, argv: list[str]) -> str:
+        if argv[0] == "scancel":
+            for job in argv[1:]:
+                self.jobs.pop(int(job))
+            return ""
+        return "".join(f"{j}|{s}|n{j}|2026-12-05T00:00:00\n" for j, s in sorted(self.jobs.items()))
+
+    def submit(self, argv: list[str]) -> str:
+        if self.fail_submit:
+            raise ShardstackError("sbatch failed (exit 1): Invalid qos specification")
+        job = max(self.jobs, default=99) + 1
+        self.jobs[job] = "PENDING"
+        return f"{job}\n"
+
+
+def test_one_round_scales_to_the_decision_and_keeps_state_and_metrics(prometheus: str, tmp_path: Path) -> None:
+    # The fixture's tier: 5 running and 9 waiting (both engines and the edge) against target 4: 4 replicas wanted.
+    path = _config(tmp_path, prometheus=prometheus, metrics_file=str(tmp_path / "autoscale.prom"), max_replicas=4,
+                   target_load=4.0, max_ttft_p95=None)
+    cfg, queue = AutoscaleConfig.load(path), _Queue(running=1)
+    _wait_for_load(prometheus)
+    assert run(cfg, queue, once=True)
+    assert sorted(queue.jobs.values()) == ["PENDING", "PENDING", "PENDING", "RUNNING"]
+    state = State.load(Path(cfg.state_file))
+    assert state.decisions["up"] == 1 and state.changes[0]["from"] == 1 and state.changes[0]["to"] == 4
+    metrics = (tmp_path / "autoscale.prom").read_text()
+    assert 'shardstack_autoscale_change_timestamp_seconds{action="up",from_replicas="1",n="1"' in metrics
+
+
+def _wait_for_load(prometheus: str) -> None:
+    """Until Prometheus is up and has scraped the tier's load."""
+    deadline = time.monotonic() + 60
+    while True:
+        try:
+            if read_signals(functools.partial(prom_query, prometheus), 1).running > 0:
+                return
+        except ShardstackError:
+            pass
+        assert time.monotonic() < deadline, "no load in Prometheus within 60 s"
+        time.sleep(1)
+
+
+def test_a_change_slurm_refused_starts_no_cooldown(prometheus: str, tmp_path: Path) -> None:
+    cfg = AutoscaleConfig.load(_config(tmp_path, prometheus=prometheus, target_load=4.0, max_replicas=4))
+    _wait_for_load(prometheus)
+    queue = _Queue(running=1, fail_submit=True)
+    assert run(cfg, queue, once=True) is False
+    assert not Path(cfg.state_file).exists()  # refused: the state (and its cooldown clock) untouched
+    queue.fail_submit = False
+    assert run(cfg, queue, once=True) and len(queue.jobs) > 1  # the next round carries it out, no cooldown held
+
+
+def test_one_autoscaler_per_state(tmp_path: Path) -> None:
+    cfg = AutoscaleConfig.load(_config(tmp_path))
+    Path(cfg.state_file).parent.mkdir(parents=True)
+    with Path(cfg.state_file).with_suffix(".lock").open("w") as held:
+        fcntl.flock(held, fcntl.LOCK_EX)
+        with pytest.raises(ShardstackError, match="another autoscaler runs with this state"):
+            run(cfg, _Queue(), once=True)
+
+
+def test_unreachable_prometheus_or_slurm_is_a_skipped_decision_not_an_end(tmp_path: Path,
+                                                                          caplog: pytest.LogCaptureFixture) -> None:
+    cfg = AutoscaleConfig.load(_config(tmp_path))  # nothing listens on port 9
+    assert run(cfg, _Queue(), once=True) is False
+    assert "autoscale: no decision: http://127.0.0.1:9" in caplog.text
+    rounds = iter(range(3))
+    assert run(cfg, LocalSlurm(timeout=5), stopping=lambda: next(rounds, None) is None) is False
+    assert "no decision: squeue" in caplog.text or "no decision: http://127.0.0.1:9" in caplog.text
+
+
+def test_status_reads_the_decisions_node_exporter_serves(tmp_path: Path) -> None:
+    """write_metrics' file, served as node_exporter serves a textfile and scraped by a real Prometheus, is what
+    `shardstack status` shows: the counts, the floor, saturation and the last changes, newest first."""
+    state = State(decisions={"up": 2, "down": 1, "hold": 9}, changes=[
+        {"time": 1_764_900_000.0, "action": "down", "from": 2, "to": 1, "reason": "idle: load 0 over 1 replica(s)"},
+        {"time": 1_764_899_000.0, "action": "up", "from": 1, "to": 2, "reason": "saturated: 3 refused/s"}])
+    path = tmp_path / "autoscale.prom"
+    write_metrics(path, _at(1, running=2), POLICY, state, now=1_764_900_100.0)
+    with _prometheus(tmp_path, {"node": [_target(lambda _n: path.read_text())]}) as base:
+        deadline = time.monotonic() + 60
+        while True:
+            try:
+                got = status_ops._autoscaler(prom_query(base, '{__name__=~"shardstack_autoscale_.+"}'))
+            except ShardstackError:
+                got = None
+            if got and len(got["changes"]) == 2:
+                break
+            assert time.monotonic() < deadline, "Prometheus never had the autoscaler's metrics"
+            time.sleep(1)
+    assert {k: got[k] for k in ("current", "wanted", "min_replicas", "max_replicas", "floor", "saturated",
+                                "last_decision")} == {"current": 1, "wanted": 1, "min_replicas": 1, "max_replicas": 3,
+                                                      "floor": 1, "saturated": False, "last_decision": 1_764_900_100.0}
+    assert [(c["n"], c["action"], c["from"], c["to"], c["reason"]) for c in got["changes"]] == [
+        (1, "down", 2, 1, "idle: load 0 over 1 replica(s)"), (2, "up", 1, 2, "saturated: 3 refused/s")]

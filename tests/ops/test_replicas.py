@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 from shardstack.errors import ShardstackError
-from shardstack.ops.replicas import ReplicaSettings, hold_script, parse, plan, sbatch_argv
+from shardstack.ops.replicas import LocalSlurm, ReplicaSettings, hold_script, parse, plan, sbatch_argv
 
 SQUEUE = """\
 31|RUNNING|node3|2026-12-05T01:00:00
@@ -42,16 +42,27 @@ def test_scaling_in_cancels_pending_jobs_first_then_the_newest_running() -> None
 
 
 def test_a_replica_job_asks_for_one_whole_inference_node_in_the_inference_qos() -> None:
-    argv = sbatch_argv(ReplicaSettings(user="shardstack"))
-    assert argv[:5] == ["runuser", "-u", "shardstack", "--", "sbatch"]
+    argv = sbatch_argv(ReplicaSettings())
+    assert argv[:2] == ["sbatch", "--parsable"]
     assert {"--account=inference", "--qos=inference", "--nodes=1", "--exclusive", "--constraint=inference",
             "--job-name=shardstack-replica", "--parsable"} <= set(argv)
     script = next(a for a in argv if a.startswith("--wrap=")).removeprefix("--wrap=")
     assert subprocess.run(["sh", "-n", "-c", script], timeout=10).returncode == 0
-    other = sbatch_argv(ReplicaSettings(user="svc", account="serving", qos="urgent"))
-    assert {"--account=serving", "--qos=urgent"} <= set(other) and other[2] == "svc"
+    other = sbatch_argv(ReplicaSettings(account="serving", qos="urgent"))
+    assert {"--account=serving", "--qos=urgent"} <= set(other)
     with pytest.raises(ShardstackError, match="replica qos 'a b' is not a Slurm name"):
-        ReplicaSettings(user="svc", qos="a b")
+        ReplicaSettings(qos="a b")
+
+
+def test_the_autoscalers_unit_submits_as_the_job_account_and_queries_as_itself() -> None:
+    slurm = LocalSlurm(job_user="nobody")  # make test runs as root, as the unit does
+    assert slurm.submit(["id", "-un"]).strip() == "nobody"  # root's unit: sbatch through setpriv
+    assert slurm.query(["id", "-un"]).strip() == "root"  # squeue and scancel as root (Slurm's admin)
+    assert LocalSlurm().submit(["id", "-un"]).strip() == "root"
+    with pytest.raises(ShardstackError, match=r"^sh failed \(exit 3\): why$"):
+        slurm.query(["sh", "-c", "echo why >&2; exit 3"])
+    with pytest.raises(ShardstackError, match="^squeue-not-here: "):
+        slurm.query(["squeue-not-here"])
 
 
 def _hold(tmp_path: Path, states: list[str], wait: float) -> tuple[int | None, int]:

@@ -12,10 +12,12 @@ from pathlib import Path
 
 import pytest
 from rich.console import Console
+from shardstack.errors import ShardstackError
 from shardstack.cli import main as cli_main
 from shardstack.cli import status as status_cli
 from shardstack.ops import status as status_ops
 from shardstack.ops.inventory import Cluster
+from shardstack.ops.replicas import ReplicaJob
 
 
 def _vector(*samples: tuple[dict[str, str], str]) -> dict:
@@ -46,6 +48,18 @@ PROMETHEUS = {
     status_ops.BACKEND_METRICS["kv_cache_usage"]: _vector(({"node": "i2"}, "0.375")),
     status_ops.BACKEND_METRICS["vllm"]: _vector(({"node": "i2"}, "1")),
 }
+# The autoscaler's textfile metrics as Prometheus has them (tests/ops/test_autoscale.py scrapes the real file).
+A = {"job": "node", "instance": "lb:9100", "node": "lb"}
+AUTOSCALER = _vector(
+    ({**A, "__name__": "shardstack_autoscale_replicas", "kind": "current"}, "2"),
+    ({**A, "__name__": "shardstack_autoscale_replicas", "kind": "wanted"}, "2"),
+    ({**A, "__name__": "shardstack_autoscale_min_replicas"}, "1"),
+    ({**A, "__name__": "shardstack_autoscale_max_replicas"}, "2"),
+    ({**A, "__name__": "shardstack_autoscale_floor"}, "1"),
+    ({**A, "__name__": "shardstack_autoscale_saturated"}, "1"),
+    ({**A, "__name__": "shardstack_autoscale_last_decision_timestamp_seconds"}, "1764583190"),
+    ({**A, "__name__": "shardstack_autoscale_change_timestamp_seconds", "n": "1", "action": "up",
+      "from_replicas": "1", "to_replicas": "2", "reason": "saturated: waiting 3.0/replica > 1"}, "1764583000"))
 ALERTS = {"status": "success", "data": {"alerts": [
     {"labels": {"alertname": "GPUHealthUncorrectableECC", "severity": "critical", "node": "t1", "gpu": "1"},
      "annotations": {"summary": "GPU 1 on t1 has 2 uncorrectable ECC errors"}, "state": "firing",
@@ -198,6 +212,30 @@ def test_status_table(server: str) -> None:
     assert ("vllm: 12.2 req/s, p99 0.840 s, 2 waiting, KV cache 38%; 3 sessions, 1 queued at the edge, 411 since "
             "start") in text
     assert "- req/s, p99 - s" not in text and "builtin: 0.0 req/s, p99 - s, 0 waiting; 0 sessions" in text
+
+
+def test_replicas_and_the_autoscaler(server: str) -> None:
+    jobs = [ReplicaJob(31, "RUNNING", "i2", "2026-12-01T10:00:00"), ReplicaJob(34, "PENDING", "", "2026-12-01T10:05")]
+    PROMETHEUS['{__name__=~"shardstack_autoscale_.+"}'] = AUTOSCALER
+    try:
+        st = status_ops.collect(GROUPS, {}, server, f"{server}/metrics", lambda: jobs)
+    finally:
+        del PROMETHEUS['{__name__=~"shardstack_autoscale_.+"}']
+    assert [(r["job_id"], r["state"], r["node"]) for r in st.replicas] == [(31, "RUNNING", "i2"), (34, "PENDING", "")]
+    assert st.autoscaler["saturated"] is True and st.autoscaler["changes"][0]["to"] == 2
+    out = Console(width=200, record=True)
+    out.print(status_cli.table(st))
+    text = out.export_text()
+    assert "job 31" in text and "running" in text and "on i2" in text and "job 34" in text
+    assert "2 replica(s), wants 2; 1..2, floor 1, decided" in text and "saturated" in text
+    assert "up 1→2" in text and "saturated: waiting 3.0/replica > 1" in text
+
+    def unreachable() -> list[ReplicaJob]:
+        raise ShardstackError("squeue failed on the Slurm controller n1: slurmctld down", hint="check it")
+
+    st = status_ops.collect(GROUPS, {}, server, None, unreachable)
+    assert st.replicas is None and st.autoscaler is None
+    assert "Slurm: squeue failed on the Slurm controller n1: slurmctld down; hint: check it" in st.notes
 
 
 def test_sources_from_the_inventory() -> None:

@@ -62,7 +62,8 @@ _OWN_PROCESS = False
 
 
 def owns_process() -> bool:
-    """True in the `shardstack` program (console script, `python -m shardstack`), false when main() is called in-process."""
+    """True in the `shardstack` program (console script, `python -m shardstack`), false when main() is called
+    in-process."""
     return _OWN_PROCESS
 
 

@@ -130,31 +130,17 @@ def register(sub: argparse._SubParsersAction) -> None:
     add_inventory_arg(sc)
     sc.add_argument("--json", action="store_true", help="print the result as JSON on stdout")
     sc.set_defaults(func=_scale)
-    au = actions.add_parser("autoscale", help="with Slurm-run replicas: every --interval, read the tier's load from "
-                                              "Prometheus, decide a replica count (docs/serving.md, \"Autoscaling\") "
-                                              "and scale to it; one line per decision with its inputs")
-    au.add_argument("--min-replicas", type=_non_negative, default=1, metavar="N", help="the floor (default 1)")
-    au.add_argument("--max-replicas", type=_non_negative, default=2, metavar="N", help="the ceiling (default 2)")
-    au.add_argument("--floor", action="append", default=[], metavar="HH:MM-HH:MM=N",
-                    help="a higher floor for a time of day, e.g. 08:00-20:00=3 (repeatable; local time)")
-    au.add_argument("--target-load", type=_positive(float), default=8.0,
-                    help="running + waiting requests per replica (default 8)")
-    au.add_argument("--max-waiting", type=float, default=4.0, help="waiting per replica that saturates (default 4)")
-    au.add_argument("--max-ttft-p95", type=_positive(float), default=2.0, help="seconds (default 2)")
-    au.add_argument("--scale-down-ratio", type=float, default=0.5, help="hysteresis (default 0.5)")
-    au.add_argument("--up-cooldown", type=float, default=60.0, help="seconds after a change (default 60)")
-    au.add_argument("--down-cooldown", type=float, default=300.0, help="seconds after a change (default 300)")
-    au.add_argument("--interval", type=_positive(float), default=15.0, help="seconds between decisions (default 15)")
-    au.add_argument("--window", default="1m", help="the rates' and TTFT's window (default 1m)")
-    au.add_argument("--prometheus", default=None, metavar="URL",
-                    help="default: the first monitoring_server's Prometheus")
-    au.add_argument("--metrics-file", type=Path, default=None,
-                    help="write each decision as node_exporter textfile metrics here")
-    au.add_argument("--once", action="store_true", help="one decision, then exit")
+    au = actions.add_parser("autoscale", help="on the Slurm controller, as the replicas' job account (the unit "
+                                              "shardstack-autoscale runs it): every interval, read the tier's load "
+                                              "from Prometheus, decide a replica count (docs/serving.md, "
+                                              "\"Autoscaling\") and submit or cancel replica jobs; one line per "
+                                              "decision with its inputs")
+    au.add_argument("--config", type=Path, required=True, metavar="FILE",
+                    help="the autoscaler's YAML (Prometheus, policy, Slurm account and QOS, state and metrics files); "
+                         "the role renders /etc/shardstack/autoscale.yaml")
+    au.add_argument("--check", action="store_true", help="check the config and exit (the role's validate)")
+    au.add_argument("--once", action="store_true", help="one decision, then exit (1 when it could not decide)")
     au.add_argument("--dry-run", action="store_true", help="decide and log, never submit or cancel")
-    au.add_argument("--account", default="inference", help="the Slurm account of replica jobs (default inference)")
-    au.add_argument("--qos", default="inference", help="their QOS (default inference)")
-    add_inventory_arg(au)
     au.set_defaults(func=_autoscale)
 
 
@@ -297,11 +283,12 @@ def _non_negative(text: str) -> int:
 def _scale(args: argparse.Namespace) -> int:
     from shardstack.ops import replicas
 
-    cluster = load_cluster(args)
+    settings = replicas.ReplicaSettings(account=args.account, qos=args.qos)  # bad names: one line, before the inventory
+    slurm = replicas.ClusterSlurm.of(load_cluster(args))
     if args.replicas is None:
-        jobs, submitted, cancelled = replicas.replicas(cluster), [], []
+        jobs, submitted, cancelled = replicas.replicas(slurm), [], []
     else:
-        done = replicas.scale(cluster, args.replicas, replicas.ReplicaSettings.of(cluster, args.account, args.qos))
+        done = replicas.scale(slurm, args.replicas, settings)
         jobs, submitted, cancelled = done.before, done.submitted, done.cancelled
     if args.json:
         print(json.dumps({"jobs": [dataclasses.asdict(j) for j in jobs], "submitted": submitted,
@@ -319,32 +306,15 @@ def _scale(args: argparse.Namespace) -> int:
 
 
 def _autoscale(args: argparse.Namespace) -> int:
-    import fcntl
     import signal
-    import time
 
-    from shardstack.ops import autoscale, replicas, runner
-    from shardstack.ops.runner import inventory_state_file
-    from shardstack.ops.status import prom_query, sources
+    from shardstack.ops import autoscale
+    from shardstack.ops.replicas import LocalSlurm
 
-    policy = autoscale.Policy(
-        min_replicas=args.min_replicas, max_replicas=args.max_replicas, target_load=args.target_load,
-        max_waiting=args.max_waiting, max_ttft_p95=args.max_ttft_p95, scale_down_ratio=args.scale_down_ratio,
-        up_cooldown=args.up_cooldown, down_cooldown=args.down_cooldown,
-        floors=tuple(autoscale.ScheduleFloor.parse(f) for f in args.floor))
-    cluster = load_cluster(args)
-    prometheus = args.prometheus or sources(cluster)[0]
-    if prometheus is None:
-        raise ShardstackError("no Prometheus: the inventory has no monitoring_server", hint="pass --prometheus URL")
-    settings = replicas.ReplicaSettings.of(cluster, args.account, args.qos)
-    state_path = inventory_state_file(cluster.path, "autoscale")
-    state_path.parent.mkdir(parents=True, exist_ok=True)
-    lock = state_path.with_suffix(".lock").open("w")
-    try:  # two autoscalers of one tier would each correct the other's count
-        fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
-    except BlockingIOError:
-        raise ShardstackError(f"another `serve autoscale` runs for this inventory (lock {lock.name})") from None
-    state = autoscale.State.load(state_path)
+    cfg = autoscale.AutoscaleConfig.load(args.config)
+    if args.check:
+        print(f"{args.config}: a valid autoscaler config ({cfg.min_replicas}..{cfg.max_replicas} replicas)")
+        return EXIT_OK
     stopping = False
 
     def stop(_sig: int, _frame: object) -> None:
@@ -353,32 +323,9 @@ def _autoscale(args: argparse.Namespace) -> int:
 
     signal.signal(signal.SIGTERM, stop)
     signal.signal(signal.SIGINT, stop)
-    runner.cancel = lambda: stopping  # ansible-runner keeps its hands off the signals (and stops a run on one)
-    log.info("autoscale: %d..%d replica(s), every %gs, Prometheus %s, state %s%s", policy.min_replicas,
-             policy.max_replicas, args.interval, prometheus, state_path, " (dry run)" if args.dry_run else "")
-    failed = False
-    while not stopping:
-        started = time.time()
-        failed = False
-        try:
-            current = len(replicas.replicas(cluster))
-            decision = autoscale.evaluate(policy, lambda q: prom_query(prometheus, q), current, state, now=started,
-                                          window=args.window)
-            log.info("%s%s", decision.line(), " (dry run)" if args.dry_run else "")
-            if decision.replicas != current and not args.dry_run:
-                done = replicas.scale(cluster, decision.replicas, settings)
-                log.info("autoscale: submitted %s, cancelled %s", done.submitted or "none", done.cancelled or "none")
-            state.save(state_path)
-            if args.metrics_file:
-                autoscale.write_metrics(args.metrics_file, decision, policy, state.decisions, started)
-        except ShardstackError as exc:  # Prometheus or Slurm unreachable: no decision this time, the next may be
-            log.error("autoscale: no decision: %s", str(exc).replace("\n  hint:", "; hint:"))
-            failed = True
-        if args.once:
-            break
-        while not stopping and time.time() < started + args.interval:
-            time.sleep(0.2)
-    return 1 if args.once and failed else EXIT_OK
+    decided = autoscale.run(cfg, LocalSlurm(cfg.job_user), once=args.once, dry_run=args.dry_run,
+                            stopping=lambda: stopping)
+    return 1 if args.once and not decided else EXIT_OK
 
 
 def _publish(args: argparse.Namespace) -> int:

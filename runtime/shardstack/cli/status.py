@@ -12,12 +12,13 @@ from rich.table import Table
 
 from shardstack.cli.inventory import add_inventory_arg, load_cluster
 from shardstack.cli.output import EXIT_FAILED_HOSTS, EXIT_OK, console
-from shardstack.ops import cordon
+from shardstack.ops import cordon, replicas
 from shardstack.ops import status as status_ops
 
 
 def register(sub: argparse._SubParsersAction) -> None:
-    p = sub.add_parser("status", help="nodes, failed units, training, inference backends and alerts in one table")
+    p = sub.add_parser("status", help="nodes, failed units, training, inference backends and replicas, the "
+                                      "autoscaler and alerts in one table")
     add_inventory_arg(p)
     p.add_argument("--json", action="store_true", help="the same data as one JSON document")
     p.add_argument("--watch", type=float, nargs="?", const=5.0, metavar="SECONDS",
@@ -60,6 +61,16 @@ def table(st: status_ops.Status) -> Table:
                   + f"; {b['sessions']} sessions, {b['queued']} queued at the edge, {b['sessions_total']} since "
                     f"start, check {b['check'] or '-'}")
         t.add_row("backend", b["server"], f"[{colour}]{b['status']}[/]", detail)
+    for r in st.replicas or []:
+        t.add_row("replica", f"job {r['job_id']}", r["state"].lower(), f"on {r['node']}" if r["node"] else "")
+    if a := st.autoscaler:
+        ago = f", decided {_duration(time.time() - a['last_decision'])} ago" if "last_decision" in a else ""
+        t.add_row("autoscaler", a["node"], "[yellow]saturated[/]" if a.get("saturated") else "ok",
+                  f"{a.get('current', '-')} replica(s), wants {a.get('wanted', '-')}; {a.get('min_replicas', '-')}.."
+                  f"{a.get('max_replicas', '-')}, floor {a.get('floor', '-')}{ago}")
+        for c in a["changes"]:
+            t.add_row("scaled", time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(c["time"])),
+                      f"{c['action']} {c['from']}→{c['to']}", c["reason"])
     for a in st.alerts:
         colour = "red" if a["severity"] == "critical" else "yellow"
         t.add_row("alert", a["name"], f"[{colour}]{a['severity']}[/]", f"{a['node']} {a['summary']}".strip())
@@ -71,9 +82,15 @@ def table(st: status_ops.Status) -> Table:
 def _status(args: argparse.Namespace) -> int:
     cluster = load_cluster(args)
     prometheus, haproxy = status_ops.sources(cluster)
+    jobs = None
+    if cluster.scheduler == "slurm" and replicas.scheduled(cluster):
+        slurm = replicas.ClusterSlurm(cluster)
+
+        def jobs() -> list[replicas.ReplicaJob]:
+            return replicas.replicas(slurm)
 
     def snapshot() -> status_ops.Status:
-        return status_ops.collect(cluster.groups, cordon.load(cluster), prometheus, haproxy)
+        return status_ops.collect(cluster.groups, cordon.load(cluster), prometheus, haproxy, jobs)
 
     if args.json:
         st = snapshot()

@@ -18,11 +18,15 @@ The rule, per evaluation:
 
 from __future__ import annotations
 
+import copy
+import fcntl
 import json
+import logging
 import math
 import os
 import re
 import tempfile
+import time as clock
 from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, field
 from datetime import datetime, time
@@ -32,6 +36,12 @@ from typing import Any, Literal
 from prometheus_client import CollectorRegistry, Counter, Gauge, write_to_textfile
 
 from shardstack.errors import ShardstackError
+from shardstack.ops.replicas import ReplicaSettings, Slurm, replicas, scale
+from shardstack.ops.status import prom_query
+from shardstack.ops.train import SLURM_NAME
+from shardstack.train.config import read_yaml, typed
+
+log = logging.getLogger(__name__)
 
 Action = Literal["up", "down", "hold"]
 
@@ -181,6 +191,7 @@ SIGNAL_QUERIES = {
 }
 
 Query = Callable[[str], list[dict[str, Any]]]
+WINDOW = re.compile(r"[1-9][0-9]*[smh]")
 
 
 def _scalar(query: Query, promql: str) -> float | None:
@@ -195,7 +206,7 @@ def _scalar(query: Query, promql: str) -> float | None:
 def read_signals(query: Query, replicas: int, window: str = "1m") -> Signals:
     """The tier's signals from Prometheus (`query`: an instant query, e.g. ops.status.prom_query bound to a URL);
     `window`: the range the rates and the TTFT quantile are taken over."""
-    if not re.fullmatch(r"[1-9][0-9]*[smh]", window):
+    if not WINDOW.fullmatch(window):
         raise ShardstackError(f"autoscale window {window!r}: expected a Prometheus duration such as 1m or 90s")
     got = {name: _scalar(query, promql.replace("WINDOW", window)) for name, promql in SIGNAL_QUERIES.items()}
     return Signals(replicas=replicas, running=got["running"] or 0.0,
@@ -203,9 +214,9 @@ def read_signals(query: Query, replicas: int, window: str = "1m") -> Signals:
                    ttft_p95=got["ttft_p95"], refused_per_second=got["refused_per_second"] or 0.0)
 
 
-def write_metrics(path: Path, decision: Decision, policy: Policy, decisions: dict[str, int], now: float) -> None:
+def write_metrics(path: Path, decision: Decision, policy: Policy, state: State, now: float) -> None:
     """The decision as node_exporter textfile metrics (atomically replaced): what the alerts and `status` read.
-    `decisions`: how many of each action so far (the caller keeps the count across restarts)."""
+    From `state`: how many of each action so far and the last changes (the caller keeps both across restarts)."""
     registry = CollectorRegistry()
     replicas = Gauge("shardstack_autoscale_replicas", "Inference replicas: current, and wanted by the last decision",
                      ["kind"], registry=registry)
@@ -226,17 +237,28 @@ def write_metrics(path: Path, decision: Decision, policy: Policy, decisions: dic
             signal.labels(name).set(value)
     total = Counter("shardstack_autoscale_decisions", "Decisions made, by action", ["action"], registry=registry)
     for action in ("up", "down", "hold"):
-        total.labels(action).inc(decisions.get(action, 0))
+        total.labels(action).inc(state.decisions.get(action, 0))
+    # A series per change, not per decision: a change's reason is a new label value only when the count changes.
+    change = Gauge("shardstack_autoscale_change_timestamp_seconds", "The last changes of the replica count, newest "
+                   "first (n=1), with their reasons", ["n", "action", "from_replicas", "to_replicas", "reason"],
+                   registry=registry)
+    for n, c in enumerate(state.changes, 1):
+        change.labels(str(n), c["action"], str(c["from"]), str(c["to"]), c["reason"]).set(c["time"])
     write_to_textfile(str(path), registry)
+
+
+CHANGES_KEPT = 5
 
 
 @dataclass
 class State:
     """What the autoscaler carries between evaluations and across restarts: when the count last changed (epoch
-    seconds; 0: never, so no cooldown holds the first change) and how many decisions of each action it made."""
+    seconds; 0: never, so no cooldown holds the first change), how many decisions of each action it made, and its
+    last changes, newest first (`{"time", "action", "from", "to", "reason"}`, for `shardstack status`)."""
 
     last_change: float = 0.0
     decisions: dict[str, int] = field(default_factory=lambda: {"up": 0, "down": 0, "hold": 0})
+    changes: list[dict[str, Any]] = field(default_factory=list)
 
     @classmethod
     def load(cls, path: Path) -> State:
@@ -244,7 +266,10 @@ class State:
         a reset would drop the cooldown (and could flap the tier)."""
         try:
             doc = json.loads(path.read_text())
-            return cls(float(doc["last_change"]), {a: int(doc["decisions"].get(a, 0)) for a in ("up", "down", "hold")})
+            changes = [{"time": float(c["time"]), "action": str(c["action"]), "from": int(c["from"]),
+                        "to": int(c["to"]), "reason": str(c["reason"])} for c in doc.get("changes", [])]
+            return cls(float(doc["last_change"]), {a: int(doc["decisions"].get(a, 0)) for a in ("up", "down", "hold")},
+                       changes[:CHANGES_KEPT])
         except FileNotFoundError:
             return cls()
         except (OSError, ValueError, KeyError, TypeError, AttributeError) as exc:
@@ -269,4 +294,109 @@ def evaluate(policy: Policy, query: Query, replicas: int, state: State, *, now: 
     state.decisions[decision.action] += 1
     if decision.replicas != replicas:
         state.last_change = now
+        change = {"time": now, "action": decision.action, "from": replicas, "to": decision.replicas,
+                  "reason": decision.reason}
+        state.changes = [change, *state.changes][:CHANGES_KEPT]
     return decision
+
+
+@dataclass
+class AutoscaleConfig:
+    """The autoscaler's settings, one YAML file (the inference_service role renders it for the unit on the Slurm
+    controller; docs/serving.md, "Autoscaling"): Prometheus, the policy, the replicas' Slurm account, QOS and node
+    feature, where it keeps its state and writes its metrics."""
+
+    prometheus: str = ""  # Prometheus's base URL, e.g. http://ops01:9090
+    state_file: str = ""  # the cooldown clock and the decision counts, kept across restarts
+    metrics_file: str | None = None  # node_exporter textfile; None: no metrics
+    interval: float = 15.0  # seconds between decisions
+    window: str = "1m"  # the range of the rates and the TTFT quantile
+    dry_run: bool = False  # decide and log, never submit or cancel
+    min_replicas: int = Policy.min_replicas
+    max_replicas: int = Policy.max_replicas
+    target_load: float = Policy.target_load
+    max_waiting: float = Policy.max_waiting
+    max_ttft_p95: float | None = Policy.max_ttft_p95
+    scale_down_ratio: float = Policy.scale_down_ratio
+    up_cooldown: float = Policy.up_cooldown
+    down_cooldown: float = Policy.down_cooldown
+    floors: list[str] = field(default_factory=list)  # HH:MM-HH:MM=N, local time
+    job_user: str = ""  # who submits replica jobs (root's unit: setpriv to it); "": this process's user
+    account: str = "inference"
+    qos: str = "inference"
+    feature: str = "inference"
+
+    def policy(self) -> Policy:
+        return Policy(min_replicas=self.min_replicas, max_replicas=self.max_replicas, target_load=self.target_load,
+                      max_waiting=self.max_waiting, max_ttft_p95=self.max_ttft_p95,
+                      scale_down_ratio=self.scale_down_ratio, up_cooldown=self.up_cooldown,
+                      down_cooldown=self.down_cooldown, floors=tuple(ScheduleFloor.parse(f) for f in self.floors))
+
+    def settings(self) -> ReplicaSettings:
+        return ReplicaSettings(account=self.account, qos=self.qos, feature=self.feature)
+
+    @classmethod
+    def load(cls, path: str | Path) -> AutoscaleConfig:
+        """The file, checked whole: every problem is one line that names its key."""
+        cfg = typed(cls, read_yaml(path))
+        if not re.fullmatch(r"https?://[^/\s]+/?", cfg.prometheus):
+            raise ShardstackError(f"config key 'prometheus' is {cfg.prometheus!r}; expected Prometheus's base URL "
+                                  "(http://HOST:PORT)")
+        if not cfg.state_file.startswith("/"):
+            raise ShardstackError(f"config key 'state_file' is {cfg.state_file!r}; expected an absolute path")
+        if cfg.metrics_file is not None and not cfg.metrics_file.startswith("/"):
+            raise ShardstackError(f"config key 'metrics_file' is {cfg.metrics_file!r}; expected an absolute path")
+        if cfg.interval <= 0:
+            raise ShardstackError(f"config key 'interval' is {cfg.interval!r}; expected seconds > 0")
+        if not WINDOW.fullmatch(cfg.window):
+            raise ShardstackError(f"config key 'window' is {cfg.window!r}; expected a Prometheus duration such as "
+                                  "1m or 90s")
+        if cfg.job_user and not SLURM_NAME.match(cfg.job_user):
+            raise ShardstackError(f"config key 'job_user' is {cfg.job_user!r}; expected a user name")
+        cfg.policy()
+        cfg.settings()
+        return cfg
+
+
+def run(cfg: AutoscaleConfig, slurm: Slurm, *, once: bool = False, dry_run: bool = False,
+        stopping: Callable[[], bool] = lambda: False) -> bool:
+    """Decide every `cfg.interval` seconds and scale to the decision until `stopping()`; one log line per decision
+    with its inputs. Prometheus or Slurm out of reach is a decision skipped, logged, not an end. One autoscaler per
+    state file (a lock beside it): two would each correct the other's count. Returns whether the last evaluation
+    decided."""
+    policy, settings, dry_run = cfg.policy(), cfg.settings(), dry_run or cfg.dry_run
+    state_path = Path(cfg.state_file)
+    state_path.parent.mkdir(parents=True, exist_ok=True)
+    lock = state_path.with_suffix(".lock").open("w")
+    try:
+        fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        raise ShardstackError(f"another autoscaler runs with this state (lock {lock.name})") from None
+    state = State.load(state_path)
+    log.info("autoscale: %d..%d replica(s), every %gs, Prometheus %s, state %s%s", policy.min_replicas,
+             policy.max_replicas, cfg.interval, cfg.prometheus, state_path, " (dry run)" if dry_run else "")
+    decided = False
+    while not stopping():
+        started = clock.time()
+        try:
+            current = len(replicas(slurm))
+            after = copy.deepcopy(state)  # kept only once the decision is carried out
+            decision = evaluate(policy, lambda q: prom_query(cfg.prometheus, q), current, after, now=started,
+                                window=cfg.window)
+            log.info("%s%s", decision.line(), " (dry run)" if dry_run else "")
+            if decision.replicas != current and not dry_run:
+                done = scale(slurm, decision.replicas, settings)
+                log.info("autoscale: submitted %s, cancelled %s", done.submitted or "none", done.cancelled or "none")
+            state = after
+            state.save(state_path)
+            if cfg.metrics_file:
+                write_metrics(Path(cfg.metrics_file), decision, policy, state, started)
+            decided = True
+        except ShardstackError as exc:
+            log.error("autoscale: no decision: %s", str(exc).replace("\n  hint:", "; hint:"))
+            decided = False
+        if once:
+            break
+        while not stopping() and clock.time() < started + cfg.interval:
+            clock.sleep(0.2)
+    return decided

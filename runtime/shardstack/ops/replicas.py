@@ -5,12 +5,17 @@ drain, docs/serving.md); the job itself only holds the node while the unit runs.
 and follows its health checks, so a replica joins the pool once it answers /health and leaves it while it drains:
 no reload, no runtime API.
 
-`scale` submits or cancels jobs to reach a count: `shardstack serve scale` and the autoscaler call it.
+`scale` submits or cancels jobs to reach a count: `shardstack serve scale` and the autoscaler call it, through a
+`Slurm`: from the controller machine (`ClusterSlurm`, ansible-runner) or on a Slurm host (`LocalSlurm`, the
+autoscaler's unit).
 """
 
 from __future__ import annotations
 
+import pwd
+import subprocess
 from dataclasses import dataclass
+from typing import Protocol
 
 from shardstack.errors import ShardstackError
 from shardstack.ops.inventory import Cluster
@@ -49,10 +54,9 @@ class ReplicaJob:
 
 @dataclass(frozen=True)
 class ReplicaSettings:
-    """Who submits replica jobs and how: the job account (a user of the Slurm account), the account, the QOS (the
-    one that may preempt training) and the node feature."""
+    """How replica jobs are submitted: the Slurm account, the QOS (the one that may preempt training) and the node
+    feature."""
 
-    user: str
     account: str = "inference"
     qos: str = "inference"
     feature: str = "inference"
@@ -61,10 +65,6 @@ class ReplicaSettings:
         for what, value in (("account", self.account), ("qos", self.qos), ("feature", self.feature)):
             if not SLURM_NAME.match(value):
                 raise ShardstackError(f"replica {what} {value!r} is not a Slurm name", hint="[A-Za-z0-9_.-]")
-
-    @classmethod
-    def of(cls, cluster: Cluster, account: str = "inference", qos: str = "inference") -> ReplicaSettings:
-        return cls(user=cluster.job_account, account=account, qos=qos)
 
 
 def parse(text: str) -> list[ReplicaJob]:
@@ -90,25 +90,88 @@ def plan(jobs: list[ReplicaJob], want: int) -> tuple[int, list[int]]:
 
 
 def sbatch_argv(s: ReplicaSettings) -> list[str]:
-    """One replica's job, submitted as the job account on an inference node (where it exists, with Slurm's client)."""
-    return ["runuser", "-u", s.user, "--", "sbatch", "--parsable", f"--job-name={JOB_NAME}", f"--account={s.account}",
-            f"--qos={s.qos}", "--nodes=1", "--exclusive", f"--constraint={s.feature}", "--output=/dev/null",
-            "--chdir=/tmp", f"--wrap={hold_script()}"]
+    """One replica's job: one whole node with the inference feature, holding it while its unit runs."""
+    return ["sbatch", "--parsable", f"--job-name={JOB_NAME}", f"--account={s.account}", f"--qos={s.qos}", "--nodes=1",
+            "--exclusive", f"--constraint={s.feature}", "--output=/dev/null", "--chdir=/tmp", f"--wrap={hold_script()}"]
 
 
-def _controller(argv: list[str], cluster: Cluster) -> str:
-    res = next(iter(run_command(argv, cluster.path, CONTROLLER).values()), None)
-    if res is None:
-        raise ShardstackError("the inventory has no slurm_controller host",
-                              hint="replicas run as Slurm jobs only with shardstack_scheduler: slurm")
-    if not res.success:
-        raise ShardstackError(f"{argv[0]} failed on the Slurm controller {res.host}: {res.message or res.stderr}")
-    return res.stdout
+class Slurm(Protocol):
+    """Where Slurm's commands run: `query` (squeue, scancel) and `submit` (sbatch, as the job account)."""
+
+    def query(self, argv: list[str]) -> str: ...
+
+    def submit(self, argv: list[str]) -> str: ...
 
 
-def replicas(cluster: Cluster) -> list[ReplicaJob]:
+@dataclass(frozen=True)
+class ClusterSlurm:
+    """From the controller machine, through ansible-runner: squeue and scancel on the Slurm controller, sbatch as
+    the job account on the first inference node (a Slurm node, with the account)."""
+
+    cluster: Cluster
+
+    @classmethod
+    def of(cls, cluster: Cluster) -> ClusterSlurm:
+        if cluster.scheduler != "slurm":
+            raise ShardstackError("replicas are Slurm jobs only where shardstack_scheduler is slurm",
+                                  hint="without Slurm every inference node runs its replica (systemd)")
+        if not scheduled(cluster):
+            raise ShardstackError("the inference nodes run their replicas themselves (systemd), not as Slurm jobs",
+                                  hint="set inference_service_scheduled: true for inference_nodes (docs/roles.md)")
+        return cls(cluster)
+
+    def query(self, argv: list[str]) -> str:
+        res = next(iter(run_command(argv, self.cluster.path, CONTROLLER).values()), None)
+        if res is None:
+            raise ShardstackError("the inventory has no slurm_controller host",
+                                  hint="replicas run as Slurm jobs only with shardstack_scheduler: slurm")
+        if not res.success:
+            raise ShardstackError(f"{argv[0]} failed on the Slurm controller {res.host}: {res.message or res.stderr}")
+        return res.stdout
+
+    def submit(self, argv: list[str]) -> str:
+        host = self.cluster.group(INFERENCE_GROUP)[0]
+        res = run_command(["runuser", "-u", self.cluster.job_account, "--", *argv], self.cluster.path, host)[host]
+        if not res.success:
+            raise ShardstackError(f"{argv[0]} on {host} failed: {res.stderr.strip() or res.message}",
+                                  hint=f"{self.cluster.job_account} must be a user of the replicas' Slurm account "
+                                       "and QOS")
+        return res.stdout
+
+
+@dataclass(frozen=True)
+class LocalSlurm:
+    """On a Slurm host (the autoscaler's unit on the controller): the commands here; sbatch as `job_user` (a user of
+    the replicas' Slurm account) through setpriv when this process is root, as this process's user when empty."""
+
+    job_user: str = ""
+    timeout: float = 60.0
+
+    def _run(self, argv: list[str]) -> str:
+        try:
+            proc = subprocess.run(argv, capture_output=True, text=True, timeout=self.timeout, check=False)
+        except (OSError, subprocess.TimeoutExpired) as exc:
+            raise ShardstackError(f"{argv[0]}: {exc}") from None
+        if proc.returncode != 0:
+            raise ShardstackError(f"{argv[0]} failed (exit {proc.returncode}): {proc.stderr.strip()}")
+        return proc.stdout
+
+    def query(self, argv: list[str]) -> str:
+        return self._run(argv)
+
+    def submit(self, argv: list[str]) -> str:
+        if self.job_user:
+            try:
+                gid = pwd.getpwnam(self.job_user).pw_gid
+            except KeyError:
+                raise ShardstackError(f"the job account {self.job_user!r} is not a user here") from None
+            argv = ["setpriv", f"--reuid={self.job_user}", f"--regid={gid}", "--init-groups", "--", *argv]
+        return self._run(argv)
+
+
+def replicas(slurm: Slurm) -> list[ReplicaJob]:
     """The replica jobs Slurm has now, queued or running."""
-    return parse(_controller(["squeue", "--noheader", f"--name={JOB_NAME}", f"--format={_FORMAT}"], cluster))
+    return parse(slurm.query(["squeue", "--noheader", f"--name={JOB_NAME}", f"--format={_FORMAT}"]))
 
 
 @dataclass(frozen=True)
@@ -118,28 +181,13 @@ class ScaleResult:
     cancelled: list[int]
 
 
-def scale(cluster: Cluster, want: int, settings: ReplicaSettings) -> ScaleResult:
+def scale(slurm: Slurm, want: int, settings: ReplicaSettings) -> ScaleResult:
     """Submit or cancel replica jobs so that `want` are queued or running."""
-    if cluster.scheduler != "slurm":
-        raise ShardstackError("replicas are Slurm jobs only where shardstack_scheduler is slurm",
-                              hint="without Slurm every inference node runs its replica (systemd)")
-    if not scheduled(cluster):
-        raise ShardstackError("the inference nodes run their replicas themselves (systemd), not as Slurm jobs",
-                              hint="set inference_service_scheduled: true for inference_nodes (docs/roles.md)")
-    before = replicas(cluster)
+    before = replicas(slurm)
     add, cancel = plan(before, want)
     if cancel:
-        _controller(["scancel", *map(str, cancel)], cluster)
-    submitted = []
-    if add:
-        host = cluster.group(INFERENCE_GROUP)[0]
-        for _ in range(add):
-            res = run_command(sbatch_argv(settings), cluster.path, host)[host]
-            if not res.success:
-                raise ShardstackError(f"sbatch on {host} failed: {res.stderr.strip() or res.message}",
-                                      hint=f"{settings.user} must be a user of Slurm account {settings.account} "
-                                           f"with QOS {settings.qos}")
-            submitted.append(int(res.stdout.strip().split(";")[0]))
+        slurm.query(["scancel", *map(str, cancel)])
+    submitted = [int(slurm.submit(sbatch_argv(settings)).strip().split(";")[0]) for _ in range(add)]
     return ScaleResult(before, submitted, cancel)
 
 

@@ -59,11 +59,6 @@ def state_dir() -> Path:
     return Path(os.environ.get("XDG_STATE_HOME") or Path.home() / ".local" / "state") / "shardstack"
 
 
-# A command that handles SIGTERM/SIGINT itself (serve autoscale) sets this: ansible-runner then asks it whether to
-# cancel a run instead of installing handlers of its own, which would stay after the run and swallow the signal.
-cancel: Callable[[], bool] | None = None
-
-
 def inventory_state_file(inventory: Path, kind: str) -> Path:
     """This inventory's `kind` state (cordon, autoscale) under the state directory: a readable name (the inventory's
     last path parts) and a hash of its resolved path, so two inventories never share a file and one always finds its
@@ -286,7 +281,6 @@ def run_playbook(
         cmdline="--check --diff" if check else None,
         envvars={**_ansible_env(root), "ANSIBLE_ROLES_PATH": str(root / "roles")},
         event_handler=handle,
-        cancel_callback=cancel,
         quiet=True,
     )
     stats = runner.stats or {}
@@ -377,6 +371,6 @@ def run_module(
         module=module, module_args=args,
         cmdline=cmdline, timeout=timeout,
         envvars=_ansible_env(root),
-        event_handler=handle, cancel_callback=cancel, quiet=True,
+        event_handler=handle, quiet=True,
     )
     return dict(sorted(results.items()))

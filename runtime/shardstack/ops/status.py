@@ -1,8 +1,8 @@
 """One view of the cluster (`shardstack status`, docs/operations.md "Status"): nodes from the inventory with
 Prometheus' `up` and the cordon state, failed systemd units (node_exporter's systemd collector), the training job's
 metrics, the inference backends from HAProxy's Prometheus endpoint (its metrics listener, plain HTTP, which the
-firewall opens to the monitoring server and the admin networks; the stats page wants TLS and a password), and the
-alerts firing. A source that does not answer is
+firewall opens to the monitoring server and the admin networks; the stats page wants TLS and a password), Slurm-run
+replicas (squeue) and the autoscaler's last decisions, and the alerts firing. A source that does not answer is
 named in `notes`; the rest is still shown."""
 
 from __future__ import annotations
@@ -12,6 +12,7 @@ import re
 import urllib.error
 import urllib.parse
 import urllib.request
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
@@ -43,6 +44,10 @@ class Status:
     training: list[dict[str, Any]] = field(default_factory=list)
     backends: list[dict[str, Any]] = field(default_factory=list)
     alerts: list[dict[str, str]] = field(default_factory=list)
+    # Slurm-run inference replicas (inference_service_scheduled): their jobs; None where the nodes run their own.
+    replicas: list[dict[str, Any]] | None = None
+    # The autoscaler's last decision and its last changes (its textfile metrics); None: none reports.
+    autoscaler: dict[str, Any] | None = None
     notes: list[str] = field(default_factory=list)
 
     def problems(self) -> list[str]:
@@ -118,8 +123,14 @@ def haproxy_servers(metrics_url: str, backend: str = "inference", timeout: float
 
 
 def collect(groups: dict[str, list[str]], cordoned: dict[str, dict[str, Any]], prometheus: str | None,
-            haproxy: str | None) -> Status:
+            haproxy: str | None, replica_jobs: Callable[[], list[Any]] | None = None) -> Status:
+    """`replica_jobs`: where replicas are Slurm jobs, what lists them (ops.replicas.replicas on the cluster)."""
     status = Status()
+    if replica_jobs is not None:
+        try:
+            status.replicas = [asdict(j) for j in replica_jobs()]
+        except ShardstackError as exc:
+            status.notes.append(f"Slurm: {exc}".replace("\n  hint:", "; hint:"))
     hosts = sorted({h for g in NODE_GROUPS for h in groups.get(g, [])})
     up: dict[str, bool] = {}
     served: dict[str, dict[str, float | None]] = {}  # inference node → BACKEND_METRICS
@@ -179,6 +190,7 @@ def _prometheus_parts(base: str, status: Status) -> dict[str, dict[str, float | 
             value = float(r["value"][1])
             served.setdefault(r["metric"].get("node", ""), {})[key] = (
                 value if value == value else None)  # NaN (no request in the window): no figure
+    status.autoscaler = _autoscaler(prom_query(base, '{__name__=~"shardstack_autoscale_.+"}'))
     body = json.loads(_get(f"{base}/api/v1/alerts", 5.0))
     status.alerts = sorted(
         ({"name": a["labels"].get("alertname", ""), "severity": a["labels"].get("severity", ""),
@@ -186,3 +198,28 @@ def _prometheus_parts(base: str, status: Status) -> dict[str, dict[str, float | 
          for a in body.get("data", {}).get("alerts", []) if a.get("state") == "firing"),
         key=lambda a: (a["severity"] != "critical", a["name"], a["node"]))
     return served
+
+
+def _autoscaler(series: list[dict[str, Any]]) -> dict[str, Any] | None:
+    """The autoscaler's textfile metrics (ops.autoscale.write_metrics) as one record; None when there are none."""
+    if not series:
+        return None
+    out: dict[str, Any] = {"node": series[0]["metric"].get("node", series[0]["metric"].get("instance", "")),
+                           "changes": []}
+    for r in series:
+        labels, value = r["metric"], float(r["value"][1])
+        name = labels["__name__"].removeprefix("shardstack_autoscale_")
+        if name == "replicas":
+            out[labels.get("kind", "")] = int(value)
+        elif name in ("min_replicas", "max_replicas", "floor"):
+            out[name] = int(value)
+        elif name == "saturated":
+            out[name] = value == 1
+        elif name == "last_decision_timestamp_seconds":
+            out["last_decision"] = value
+        elif name == "change_timestamp_seconds":
+            out["changes"].append({"n": int(labels.get("n", 0)), "time": value, "action": labels.get("action", ""),
+                                   "from": int(labels.get("from_replicas", 0)), "to": int(labels.get("to_replicas", 0)),
+                                   "reason": labels.get("reason", "")})
+    out["changes"].sort(key=lambda c: c["n"])
+    return out

@@ -389,16 +389,26 @@ def job_name_from_path(path: str | Path) -> str:
     return stem
 
 
-def load_config(path: str | Path) -> JobConfig:
+def read_yaml(path: str | Path) -> Any:
+    """A YAML file's document; an unreadable file or bad YAML is one line that says where."""
     path = Path(path)
     try:
         text = path.read_text()
     except OSError as exc:
         raise ShardstackError(f"cannot read config {path}: {exc.strerror}") from None
     try:
-        data = yaml.safe_load(text)
+        return yaml.safe_load(text)
     except yaml.YAMLError as exc:
         mark = getattr(exc, "problem_mark", None)
         where = f" at line {mark.line + 1}, column {mark.column + 1}" if mark else ""
         raise ShardstackError(f"{path} is not valid YAML{where}") from None
-    return config_from_dict(data)
+
+
+def typed(cls: type, data: Any) -> Any:
+    """A mapping as the dataclass `cls`, by the job config's rules: unknown keys (with a suggestion), wrong types and
+    bad values are errors that name the key. For other typed configs (ops.autoscale's)."""
+    return _build(cls, data if data is not None else {}, "")
+
+
+def load_config(path: str | Path) -> JobConfig:
+    return config_from_dict(read_yaml(path))
