@@ -2,7 +2,8 @@
 engine) to a replica count between a floor and `max_replicas`, with hysteresis and cooldowns, so a noisy minute
 neither adds nor removes a replica. `decide` is pure: the caller reads the signals (`read_signals`, from
 Prometheus) and carries the state; every decision keeps its inputs, so a log line or a metric (`write_metrics`, a
-node_exporter textfile) can say why.
+node_exporter textfile) can say why. `run` is the loop the unit on the Slurm controller runs (`shardstack serve
+autoscale --config`, an `AutoscaleConfig`): evaluate, scale through a `replicas.Slurm`, keep the state.
 
 The rule, per evaluation:
 - the floor is `min_replicas`, or a schedule's higher floor while it is in force (e.g. the day's peak hours);
