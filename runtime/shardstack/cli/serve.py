@@ -130,8 +130,8 @@ def register(sub: argparse._SubParsersAction) -> None:
     add_inventory_arg(sc)
     sc.add_argument("--json", action="store_true", help="print the result as JSON on stdout")
     sc.set_defaults(func=_scale)
-    au = actions.add_parser("autoscale", help="on the Slurm controller, as the replicas' job account (the unit "
-                                              "shardstack-autoscale runs it): every interval, read the tier's load "
+    au = actions.add_parser("autoscale", help="on the Slurm controller (the unit shardstack-autoscale runs it, "
+                                              "submitting as the job account): every interval, read the tier's load "
                                               "from Prometheus, decide a replica count (docs/serving.md, "
                                               "\"Autoscaling\") and submit or cancel replica jobs; one line per "
                                               "decision with its inputs")
