@@ -56,7 +56,7 @@ def test_a_replica_job_asks_for_one_whole_inference_node_in_the_inference_qos() 
 
 def test_the_autoscalers_unit_submits_as_the_job_account_and_queries_as_itself() -> None:
     slurm = LocalSlurm(job_user="nobody")  # make test runs as root, as the unit does
-    assert slurm.submit(["id", "-un"]).strip() == "nobody"  # root's unit: sbatch through setpriv
+    assert slurm.submit(["id", "-un"]).strip() == "nobody"  # root's unit: sbatch drops to the job account
     assert slurm.query(["id", "-un"]).strip() == "root"  # squeue and scancel as root (Slurm's admin)
     assert LocalSlurm().submit(["id", "-un"]).strip() == "root"
     with pytest.raises(ShardstackError, match=r"^sh failed \(exit 3\): why$"):

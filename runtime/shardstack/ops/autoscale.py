@@ -322,7 +322,7 @@ class AutoscaleConfig:
     up_cooldown: float = Policy.up_cooldown
     down_cooldown: float = Policy.down_cooldown
     floors: list[str] = field(default_factory=list)  # HH:MM-HH:MM=N, local time
-    job_user: str = ""  # who submits replica jobs (root's unit: setpriv to it); "": this process's user
+    job_user: str = ""  # who submits replica jobs (root's unit: sbatch drops to it); "": this process's user
     account: str = "inference"
     qos: str = "inference"
     feature: str = "inference"

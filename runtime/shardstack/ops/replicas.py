@@ -12,10 +12,11 @@ autoscaler's unit).
 
 from __future__ import annotations
 
+import os
 import pwd
 import subprocess
 from dataclasses import dataclass
-from typing import Protocol
+from typing import Any, Protocol
 
 from shardstack.errors import ShardstackError
 from shardstack.ops.inventory import Cluster
@@ -142,15 +143,16 @@ class ClusterSlurm:
 @dataclass(frozen=True)
 class LocalSlurm:
     """On a Slurm host (the autoscaler's unit on the controller): the commands here; sbatch as `job_user` (a user of
-    the replicas' Slurm account) through setpriv when this process is root, as this process's user when empty."""
+    the replicas' Slurm account) when this process is root (the child drops to it before exec: only CAP_SETUID and
+    CAP_SETGID, no setuid binary), as this process's user when empty."""
 
     job_user: str = ""
     timeout: float = 60.0
 
-    def _run(self, argv: list[str]) -> str:
+    def _run(self, argv: list[str], **as_user: Any) -> str:
         try:
-            proc = subprocess.run(argv, capture_output=True, text=True, timeout=self.timeout, check=False)
-        except (OSError, subprocess.TimeoutExpired) as exc:
+            proc = subprocess.run(argv, capture_output=True, text=True, timeout=self.timeout, check=False, **as_user)
+        except (OSError, subprocess.SubprocessError) as exc:
             raise ShardstackError(f"{argv[0]}: {exc}") from None
         if proc.returncode != 0:
             raise ShardstackError(f"{argv[0]} failed (exit {proc.returncode}): {proc.stderr.strip()}")
@@ -160,13 +162,15 @@ class LocalSlurm:
         return self._run(argv)
 
     def submit(self, argv: list[str]) -> str:
-        if self.job_user:
-            try:
-                gid = pwd.getpwnam(self.job_user).pw_gid
-            except KeyError:
-                raise ShardstackError(f"the job account {self.job_user!r} is not a user here") from None
-            argv = ["setpriv", f"--reuid={self.job_user}", f"--regid={gid}", "--init-groups", "--", *argv]
-        return self._run(argv)
+        if not self.job_user:
+            return self._run(argv)
+        try:
+            pw = pwd.getpwnam(self.job_user)
+        except KeyError:
+            raise ShardstackError(f"the job account {self.job_user!r} is not a user here") from None
+        env = {**os.environ, "HOME": pw.pw_dir, "USER": pw.pw_name, "LOGNAME": pw.pw_name}
+        return self._run(argv, user=pw.pw_uid, group=pw.pw_gid,
+                         extra_groups=os.getgrouplist(pw.pw_name, pw.pw_gid), env=env)
 
 
 def replicas(slurm: Slurm) -> list[ReplicaJob]:
