@@ -25,6 +25,7 @@ import yaml
 from ansible_vars import RoleEval
 from prometheus_client.parser import text_string_to_metric_families
 from shardstack.errors import ShardstackError
+from shardstack.ops import status as status_ops
 from shardstack.ops.autoscale import (
     AutoscaleConfig,
     Policy,
@@ -38,7 +39,6 @@ from shardstack.ops.autoscale import (
     write_metrics,
 )
 from shardstack.ops.replicas import LocalSlurm
-from shardstack.ops import status as status_ops
 from shardstack.ops.status import prom_query
 
 NOON = datetime(2026, 12, 3, 12, 0)

@@ -61,7 +61,7 @@ def test_the_autoscalers_unit_submits_as_the_job_account_and_queries_as_itself()
     assert LocalSlurm().submit(["id", "-un"]).strip() == "root"
     with pytest.raises(ShardstackError, match=r"^sh failed \(exit 3\): why$"):
         slurm.query(["sh", "-c", "echo why >&2; exit 3"])
-    with pytest.raises(ShardstackError, match="^squeue-not-here: "):
+    with pytest.raises(ShardstackError, match=r"^squeue-not-here: "):
         slurm.query(["squeue-not-here"])
 
 

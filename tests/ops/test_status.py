@@ -12,9 +12,9 @@ from pathlib import Path
 
 import pytest
 from rich.console import Console
-from shardstack.errors import ShardstackError
 from shardstack.cli import main as cli_main
 from shardstack.cli import status as status_cli
+from shardstack.errors import ShardstackError
 from shardstack.ops import status as status_ops
 from shardstack.ops.inventory import Cluster
 from shardstack.ops.replicas import ReplicaJob
