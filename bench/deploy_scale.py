@@ -1,12 +1,14 @@
 """Deploy time of site.yml on 1, 2 and 4 lab nodes: first run from bare nodes and an idempotent re-run, each with
-its slowest tasks.
+its slowest tasks and what the run is made of.
 
     python bench/deploy_scale.py [--nodes 1 2 4] [--top 10] [--json out.json]
 
 Each size gets a fresh lab (prefix `eb`), the same prebuilt wheelhouse (its one-off build is not deploy time),
 and the lab's group layout (inventory.group_layout). Prints a table, then per size and run the --top tasks by wall
 time (first host's start to last host's end, from ansible-runner's per-host events; a task included in several
-plays counts once per play). The lab is taken down after each size. Needs root (the lab). On the 2-core CI host the
+plays counts once per play), and the run's make-up: tasks, tasks every host skipped, host results, and the module
+executions by module (a loop's items each count; a template or copy that changes nothing is two executions on the
+node, a stat and a file). The lab is taken down after each size. Needs root (the lab). On the 2-core CI host the
 first run is dominated by installing torch into each node's venv.
 """
 
@@ -19,7 +21,7 @@ import platform
 import sys
 import tempfile
 import time
-from collections import defaultdict
+from collections import Counter, defaultdict
 from datetime import datetime
 from pathlib import Path
 
@@ -37,15 +39,30 @@ class Profile:
 
     def __init__(self) -> None:
         self._spans: dict[str, list] = {}  # task uuid -> [name, first start, last end]
+        self._outcomes: dict[str, Counter] = defaultdict(Counter)  # task uuid -> host results by event
+        self.actions: Counter = Counter()  # action -> results that ran (ok or changed; a loop's items apart)
 
     def __call__(self, event: dict) -> None:
         data = event.get("event_data", {})
-        if event.get("event") not in self.RESULTS or not data.get("start") or not data.get("end"):
+        kind = event.get("event")
+        if kind in ("runner_item_on_ok", "runner_on_ok") and not data.get("res", {}).get("results"):
+            self.actions[data.get("task_action", "?")] += 1
+        if kind in self.RESULTS:
+            self._outcomes[data.get("task_uuid", "")][kind] += 1
+        if kind not in self.RESULTS or not data.get("start") or not data.get("end"):
             return
         start, end = datetime.fromisoformat(data["start"]), datetime.fromisoformat(data["end"])
         name = f"{data['role']} : {data.get('task', '')}" if data.get("role") else data.get("task", "")
         span = self._spans.setdefault(data.get("task_uuid", name), [name, start, end])
         span[1], span[2] = min(span[1], start), max(span[2], end)
+
+    def makeup(self) -> dict:
+        """Tasks, the tasks every host skipped (pure per-task cost), host results, results by action."""
+        results = sum(self._outcomes.values(), Counter())
+        return {"tasks": len(self._outcomes),
+                "all_skipped": sum(1 for c in self._outcomes.values() if set(c) == {"runner_on_skipped"}),
+                "ok_results": results["runner_on_ok"], "skipped_results": results["runner_on_skipped"],
+                "actions": dict(self.actions.most_common())}
 
     def top(self, n: int) -> list[tuple[str, float]]:
         walls: dict[str, float] = defaultdict(float)
@@ -76,7 +93,8 @@ def deploy_times(nodes: int, wheelhouse: Path, top: int) -> dict:
         raise SystemExit(f"{nodes} node(s): site.yml failed: {failed}")
     return {"nodes": nodes, "lab_up_s": round(boot, 1), "first_s": round(first.seconds, 1),
             "first_changed": first.changed, "rerun_s": round(again.seconds, 1), "rerun_changed": again.changed,
-            "first_top": first_profile.top(top), "rerun_top": again_profile.top(top)}
+            "first_top": first_profile.top(top), "rerun_top": again_profile.top(top),
+            "first_makeup": first_profile.makeup(), "rerun_makeup": again_profile.makeup()}
 
 
 def main() -> int:
@@ -102,6 +120,10 @@ def main() -> int:
             print(f"\n{r['nodes']} node(s), {'first run' if run == 'first' else 're-run'}: slowest tasks (wall s)")
             for name, wall in r[f"{run}_top"]:
                 print(f"  {wall:7.1f}  {name}")
+            m = r[f"{run}_makeup"]
+            print(f"  {m['tasks']} tasks ({m['all_skipped']} skipped on every host); {m['ok_results']} ok and "
+                  f"{m['skipped_results']} skipped host results; results by action:")
+            print("  " + ", ".join(f"{mod.removeprefix('ansible.builtin.')} {n}" for mod, n in m["actions"].items()))
     if args.json:
         args.json.write_text(json.dumps({"rows": rows, "host_cores": os.cpu_count(), "load": load}, indent=2))
     return 0
