@@ -392,6 +392,7 @@ def test_vllms_engine_process_killed_the_unit_restarts_and_the_backend_is_up_aga
     victim = next(h for h, e in engines.items() if e == "vllm")
     ep = endpoint.endpoint(lab3.inv)
     restarts = int(_backend_show(lab3, victim, "NRestarts")["NRestarts"])
+    entries = _compile_cache_entries(lab3, victim)
     killed = run_command(["pkill", "-KILL", "-f", "^VLLM::EngineCore"], lab3.inventory, victim)[victim]
     assert killed.success, killed  # pkill's 1: no such process
     started = time.monotonic()
@@ -401,9 +402,20 @@ def test_vllms_engine_process_killed_the_unit_restarts_and_the_backend_is_up_aga
         time.sleep(1)
     _wait_for_backends(lab3, ep, 240)
     answers = [endpoint.complete(ep, "The ", max_tokens=8) for _ in range(6)]
+    after = _compile_cache_entries(lab3, victim)
     print(f"\n{victim}: VLLM::EngineCore killed, NRestarts {restarts} -> {now}, back behind the load balancer "
-          f"after {time.monotonic() - started:.0f}s; then {[a.status for a in answers]}")
+          f"after {time.monotonic() - started:.0f}s; then {[a.status for a in answers]}; compile-cache entries "
+          f"{len(entries)} -> {len(after)}")
     assert all(a.status == 200 for a in answers)
+    # The same export staged at the same path: the restart used the entry vLLM compiled before, made no new one.
+    assert entries and after == entries, (entries, after)
+
+
+def _compile_cache_entries(lab3: LabCluster, host: str) -> set[str]:
+    res = run_command(["ls", "/var/cache/shardstack-inference/vllm/torch_compile_cache/torch_aot_compile"],
+                      lab3.inventory, host)[host]
+    assert res.success, res
+    return set(res.stdout.split())
 
 
 def test_validate_finds_nothing_on_the_lab(lab3: LabCluster, walk: Walk) -> None:

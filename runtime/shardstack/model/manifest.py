@@ -137,13 +137,15 @@ def _copy_checked(dfd: int, name: str, dest: Path, size: int, digest: str, where
 
 
 def stage_verified(model_dir: str | os.PathLike, key: SigningKey, into: str | os.PathLike, *,
-                   shared_name: bool = False) -> Staged:
+                   shared_name: bool = False, named: bool = False) -> Staged:
     """Verify the export at `model_dir` against its manifest signed with `key`, copying what it lists into a new
     private directory under `into` (removed again if anything fails). Raises ShardstackError naming what failed.
 
-    shared_name: the copy is named after the signed manifest, so every node that stages the same export gets the
-    same path (pipeline parallel: vLLM's workers on the other nodes load the head's --model path), and it replaces
-    whatever else is in `into` (the copies of earlier exports)."""
+    named: the copy is named after the signed manifest, so a restart on the same export loads the same path (vLLM
+    keys its torch.compile cache on the model's path: a random name compiles the model again at every start); a
+    name another process holds leaves this copy its private one. shared_name: named, and it replaces whatever else
+    is in `into` (the copies of earlier exports), so every node that stages the same export gets the same path
+    (pipeline parallel: vLLM's workers on the other nodes load the head's --model path)."""
     where = Path(model_dir)
     try:
         dfd = os.open(where, os.O_RDONLY | os.O_DIRECTORY)
@@ -156,7 +158,8 @@ def stage_verified(model_dir: str | os.PathLike, key: SigningKey, into: str | os
             raise ShardstackError(f"{where} does not verify: {problem[1]}", hint=_HINT)
         files = _listed(manifest, where)
         try:
-            dest = Path(tempfile.mkdtemp(prefix=".staging-" if shared_name else "shardstack-model-", dir=into))
+            dest = Path(tempfile.mkdtemp(prefix=".staging-" if shared_name or named else "shardstack-model-",
+                                         dir=into))
         except OSError as exc:
             raise ShardstackError(f"cannot make the private copy of {where} in {into}: {exc.strerror}",
                                   hint="--stage-dir must be a writable directory") from None
@@ -172,17 +175,20 @@ def stage_verified(model_dir: str | os.PathLike, key: SigningKey, into: str | os
             raise
     finally:
         os.close(dfd)
-    if shared_name:
+    if shared_name or named:
         digest = hashlib.sha256(json.dumps(manifest, sort_keys=True).encode()).hexdigest()[:16]
         final = Path(into) / f"shardstack-model-{digest}"
-        for old in Path(into).iterdir():  # one model on the node's disk: the one being staged
+        for old in Path(into).iterdir() if shared_name else ():  # one model on the node's disk: this one
             if old == dest:
                 continue
             if old.is_dir() and not old.is_symlink():
                 shutil.rmtree(old)
             else:
                 old.unlink()
-        dest = dest.rename(final)
+        try:
+            dest = dest.rename(final)
+        except OSError:  # named only: the name is another process's copy (or a killed one's, left behind)
+            dest = dest.rename(Path(tempfile.mkdtemp(prefix="shardstack-model-", dir=into)))
     step = manifest.get("step")
     return Staged(dest, len(files), sum(s for s, _ in files.values()), step if isinstance(step, int) else None,
                   key.key_id)
