@@ -142,7 +142,7 @@ def stage_verified(model_dir: str | os.PathLike, key: SigningKey, into: str | os
     private directory under `into` (removed again if anything fails). Raises ShardstackError naming what failed.
 
     named: the copy is named after the signed manifest, so a restart on the same export loads the same path (vLLM
-    keys its torch.compile cache on the model's path: a random name compiles the model again at every start); a
+    keys its torch.compile cache on the model's path: a random name makes a new entry at every start); a
     name another process holds leaves this copy its private one. shared_name: named, and it replaces whatever else
     is in `into` (the copies of earlier exports), so every node that stages the same export gets the same path
     (pipeline parallel: vLLM's workers on the other nodes load the head's --model path)."""

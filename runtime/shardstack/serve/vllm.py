@@ -292,8 +292,8 @@ def run(args: argparse.Namespace, key: SigningKey | None, token: str | None) -> 
     staged = None
     if key is not None:
         try:
-            # Named after the export: a restart loads vLLM's compiled graph from its cache instead of compiling
-            # again. Across nodes the path is the one every worker node staged (`serve stage`, the same name).
+            # Named after the export: vLLM keys its compile cache on the path, so a restart uses the entry the last
+            # start made. Across nodes the path is the one every worker node staged (`serve stage`, the same name).
             staged = stage_verified(args.model, key, args.stage_dir, shared_name=args.pipeline_parallel > 1,
                                     named=True)
         except ShardstackError as exc:  # the same one journal line as the built-in engine's refusal
