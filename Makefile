@@ -119,12 +119,15 @@ molecule: setup
 e2e: setup
 	SHARDSTACK_E2E=1 pytest -x -s tests/e2e
 
-# Two at a time on 2 cores, from one queue: molecule default (the longest, its e2e inside) from the start beside lint
-# and the unit tests (-O keeps each one's output together), then accelerators and slurm as the lanes come free. The
-# budget is 40 minutes; the table of every stage's seconds and test counts comes last, also when a stage failed.
+# TEST_LANES at a time from one queue: molecule default (the longest, its e2e inside), lint beside the unit tests
+# (-O keeps each one's output together), accelerators, then slurm as a lane comes free. Three on 2 cores: with two,
+# the lane of unit, accelerators and slurm ran ~300 s past default's and slurm's waits ran alone at the end
+# (bench/RESULTS.md, "Where make test's CPU goes"). The budget is 40 minutes; the table of every stage's seconds and
+# test counts comes last, also when a stage failed.
+TEST_LANES ?= 3
 test: setup
 	@$(BUDGET) start
-	@rc=0; printf '%s\n' default lint-unit $(filter-out default,$(SCENARIOS)) | xargs -P 2 -I{} sh -c \
+	@rc=0; printf '%s\n' default lint-unit $(filter-out default,$(SCENARIOS)) | xargs -P $(TEST_LANES) -I{} sh -c \
 	  'if [ {} = lint-unit ]; then $(MAKE) --no-print-directory -j2 -O lint unit; \
 	   else $(MAKE) --no-print-directory molecule SCENARIOS={} MOLECULE_JOBS=1; fi' || rc=$$?; \
 	  echo; $(BUDGET) table || echo 'budget: no table (.ci/budget.py failed)'; exit $$rc
