@@ -121,9 +121,9 @@ e2e: setup
 
 # TEST_LANES at a time from one queue: molecule default (the longest, its e2e inside), lint beside the unit tests
 # (-O keeps each one's output together), accelerators, then slurm as a lane comes free. Three on 2 cores: with two,
-# the lane of unit, accelerators and slurm ran ~300 s past default's and slurm's waits ran alone at the end
-# (bench/RESULTS.md, "Where make test's CPU goes"). The budget is 40 minutes; the table of every stage's seconds and
-# test counts comes last, also when a stage failed.
+# the lane of unit, accelerators and slurm ended ~250 s after default (cc46: 2592 s against 2338), the end of slurm
+# alone on a machine otherwise busy 85 % of the time (bench/RESULTS.md, "Where make test's CPU goes"). The budget is
+# 40 minutes; the table of every stage's seconds and test counts comes last, also when a stage failed.
 TEST_LANES ?= 3
 test: setup
 	@$(BUDGET) start
