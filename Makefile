@@ -119,16 +119,19 @@ molecule: setup
 e2e: setup
 	SHARDSTACK_E2E=1 pytest -x -s tests/e2e
 
-# TEST_LANES at a time from one queue: molecule default (the longest, its e2e inside), lint beside the unit tests
-# (-O keeps each one's output together), accelerators, then slurm as a lane comes free. Three on 2 cores: with two,
-# the lane of unit, accelerators and slurm ended ~250 s after default (cc46: 2592 s against 2338), the end of slurm
-# alone on a machine otherwise busy 85 % of the time (bench/RESULTS.md, "Where make test's CPU goes"). The budget is
-# 40 minutes; the table of every stage's seconds and test counts comes last, also when a stage failed.
-TEST_LANES ?= 3
+# Three lanes on 2 cores: molecule default (the longest, its e2e inside); lint beside the unit tests (-O keeps each
+# one's output together), then the other scenarios but accelerators, one at a time (slurm); accelerators (~400 s)
+# beside them from the start. Two lanes (unit, accelerators, slurm in one) ended ~250 s after default (cc46); three
+# filled from one queue put slurm beside the unit tests and default's converge, and default, the longest, ended last
+# (cc47; bench/RESULTS.md, "Where make test's CPU goes"). The budget is 40 minutes; the table of every stage's seconds
+# and test counts comes last, also when a stage failed.
+TEST_AFTER_UNIT = $(filter-out default accelerators,$(SCENARIOS))
 test: setup
 	@$(BUDGET) start
-	@rc=0; printf '%s\n' default lint-unit $(filter-out default,$(SCENARIOS)) | xargs -P $(TEST_LANES) -I{} sh -c \
-	  'if [ {} = lint-unit ]; then $(MAKE) --no-print-directory -j2 -O lint unit; \
+	@rc=0; printf '%s\n' default lint-unit $(filter accelerators,$(SCENARIOS)) | xargs -P 3 -I{} sh -c \
+	  'if [ {} = lint-unit ]; then r=0; $(MAKE) --no-print-directory -j2 -O lint unit || r=$$?; \
+	     $(if $(TEST_AFTER_UNIT),$(MAKE) --no-print-directory molecule SCENARIOS="$(TEST_AFTER_UNIT)" MOLECULE_JOBS=1 || r=$$?;) \
+	     exit $$r; \
 	   else $(MAKE) --no-print-directory molecule SCENARIOS={} MOLECULE_JOBS=1; fi' || rc=$$?; \
 	  echo; $(BUDGET) table || echo 'budget: no table (.ci/budget.py failed)'; exit $$rc
 
