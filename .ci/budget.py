@@ -46,8 +46,8 @@ def junit_counts(path: Path) -> tuple[int, int, int] | None:
     return total - skipped - failed, skipped, failed
 
 
-def junit_failures(path: Path) -> list[str]:
-    """`name: first line of the message` for every failed or erroring test case of a pytest JUnit file."""
+def junit_failures(path: Path) -> list[tuple[str, list[str]]]:
+    """(name, the message's non-blank lines) for every failed or erroring test case of a pytest JUnit file."""
     try:
         root = ET.parse(path).getroot()
     except (OSError, ET.ParseError):
@@ -55,8 +55,8 @@ def junit_failures(path: Path) -> list[str]:
     out = []
     for case in root.iter("testcase"):
         for bad in [*case.findall("failure"), *case.findall("error")]:
-            first = next((line for line in (bad.get("message") or bad.text or "").splitlines() if line.strip()), "")
-            out.append(f"{case.get('name')}: {first.strip()[:300]}")
+            lines = [line for line in (bad.get("message") or bad.text or "").splitlines() if line.strip()]
+            out.append((case.get("name") or "", lines or [""]))
     return out
 
 
@@ -104,8 +104,13 @@ def table() -> str:
     start = BUDGET / "start"
     if start.is_file():
         lines.append(f"{'total (wall)':<24}{time.time() - float(start.read_text()):>9.0f}")
-    for xml in [*sorted(BUDGET.glob("*.xml")), *sorted(MOLECULE.glob("*.e2e.xml"))]:
-        lines += [f"FAILED {xml.stem}: {failure}" for failure in junit_failures(xml)]
+    failures = [(xml.stem, name, msg) for xml in [*sorted(BUDGET.glob("*.xml")), *sorted(MOLECULE.glob("*.e2e.xml"))]
+                for name, msg in junit_failures(xml)]
+    lines += [f"FAILED {stem}: {name}: {msg[0].strip()[:300]}" for stem, name, msg in failures]
+    # The rest of the first failure's message last (a CI log may keep only its end): e.g. what the cluster said.
+    # pytest's JUnit message keeps a long one's first lines and says how many more the element's text has.
+    if failures:
+        lines += [f"  {line[:300]}" for line in failures[0][2][1:]]
     return "\n".join(lines)
 
 

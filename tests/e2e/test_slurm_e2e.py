@@ -91,12 +91,31 @@ def _scontrol_job(inv: Path, job_id: str) -> dict[str, str]:
     return dict(kv.split("=", 1) for kv in text.split() if "=" in kv)
 
 
-def _wait(what: str, check, timeout: float = 300, poll: float = 2.0):
+def _wait(what: str, check, timeout: float = 300, poll: float = 2.0, explain=None):
+    """check()'s first true value; on timeout, an assertion with what explain() gathers (the cluster's side)."""
     deadline = time.monotonic() + timeout
     while not (value := check()):
-        assert time.monotonic() < deadline, f"timed out waiting for {what}"
+        if time.monotonic() >= deadline:
+            raise AssertionError(f"timed out waiting for {what}" + (f"\n{explain()}" if explain else ""))
         time.sleep(poll)
     return value
+
+
+def _slurm_side(inv: Path, job_id: str, name: str, since: float) -> str:
+    """What Slurm and the nodes say about a job: for a timeout's message (a CI log keeps only that)."""
+    out = []
+    for argv in (["scontrol", "show", "job", "--oneliner", job_id], ["sinfo", "-N", "-o", "%N %T %E"],
+                 ["sacct", "--noheader", "--parsable2", "--duplicates", "--jobs", job_id,
+                  "--format", "JobID,State,ExitCode,Start,End,NodeList"],
+                 ["journalctl", "-u", "slurmctld", "--since", f"@{int(since)}", "--no-pager", "-o", "cat", "-n", "20"]):
+        res = next(iter(run_command(argv, inv, CONTROLLER).values()))
+        out.append(f"$ {' '.join(argv)}\n{res.stdout}{res.stderr}")
+    for argv in (["journalctl", "--identifier", identifier(name), "--since", f"@{int(since)}", "--no-pager", "-o",
+                  "cat", "--grep", "resumed|stopping|rendezvous|requeue|rror|ailed", "-n", "12"],
+                 ["journalctl", "-u", "slurmd", "--since", f"@{int(since)}", "--no-pager", "-o", "cat", "-n", "12"]):
+        for host, res in run_command(argv, inv, "train_nodes").items():
+            out.append(f"$ {host}: {' '.join(argv)}\n{res.stdout}{res.stderr}")
+    return "\n".join(out)
 
 
 def test_a_2_node_job_through_slurm_has_the_systemd_paths_losses_and_its_usage_in_sacct(cluster: Cluster,
@@ -238,6 +257,13 @@ def test_a_killed_slurmd_requeues_the_job_which_resumes_from_its_checkpoint(clus
     job = _wait("the requeue", lambda: (j := _scontrol_job(inv, job_id))["Restarts"] != "0" and j, timeout=180)
     requeued_after = time.monotonic() - killed_at
     assert job["JobState"] in ("COMPLETING", "PENDING", "REQUEUED", "CONFIGURING", "RUNNING"), job
+    # The node comes back once the first run's processes there have ended (they still take part in the checkpoint
+    # below), as a node that failed would: slurmctld aborts a requeued job's leftovers on a node that registers
+    # again, and an abort that lands after the next run has started there would end that run too.
+    _wait("the first run's processes on node2 to end",
+          lambda: run_command(["pgrep", "-x", "slurmstepd"], inv, "node2")["node2"].rc == 1, timeout=240,
+          explain=lambda: _slurm_side(inv, job_id, name, started))
+    leftovers_ended = time.monotonic() - killed_at
     restarted = run_command(["systemctl", "start", "slurmd.service"], inv, "node2")
     assert restarted["node2"].success, restarted
 
@@ -246,7 +272,8 @@ def test_a_killed_slurmd_requeues_the_job_which_resumes_from_its_checkpoint(clus
         last = train.status(name, cluster).last_step
         return int(found[-1]) if found and last and last["step"] > int(found[-1]) + 3 else None
 
-    from_step = _wait("the resumed run's steps", resumed, timeout=300)
+    from_step = _wait("the resumed run's steps", resumed, timeout=300,
+                      explain=lambda: _slurm_side(inv, job_id, name, started))
     # The surviving node's ranks got SIGTERM when the job was ended; the lost node's still answered, so together
     # they saved a checkpoint at the step they stopped after, and the requeued run starts there.
     saved = re.findall(r"stopping after step (\d+)", _journal(inv, name, started, "stopping after step"))
@@ -264,5 +291,6 @@ def test_a_killed_slurmd_requeues_the_job_which_resumes_from_its_checkpoint(clus
     manifest = f"{_checkpoints(cluster, name)}/step_{stopped:08d}/manifest.json"
     assert run_command(["test", "-s", manifest], inv, "node1")["node1"].success, manifest
     print(f"\nslurm: slurmd killed on node2 at step {st.last_step['step']}; job {job_id} requeued after "
-          f"{requeued_after:.0f}s (runs: {' → '.join(runs)}), resumed from step {from_step}; "
+          f"{requeued_after:.0f}s, its processes on node2 ended after {leftovers_ended:.0f}s "
+          f"(runs: {' → '.join(runs)}), resumed from step {from_step}; "
           f"train stop → stopped at step {stopped} with a checkpoint, {final.slurm.state}")

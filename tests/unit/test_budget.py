@@ -69,7 +69,9 @@ def test_stages_pytest_counts_and_molecule_scenarios_make_one_table(tmp_path: Pa
 
 def test_the_table_ends_with_each_failed_test_and_its_message(tmp_path: Path) -> None:
     (tmp_path / "test_e2e.py").write_text(
-        "def test_ok():\n    pass\n\ndef test_flood():\n    assert 0.3 <= 0.1, 'flooded p99 ms'\n")
+        "def test_ok():\n    pass\n\n"
+        "def test_wait():\n    raise AssertionError('timed out\\n' + '\\n'.join(f'node {i}' for i in range(70)))\n\n"
+        "def test_flood():\n    assert 0.3 <= 0.1, 'flooded p99 ms'\n")
     assert _budget(tmp_path, "start").returncode == 0
     (tmp_path / "artifacts" / "molecule").mkdir(parents=True)
     (tmp_path / "artifacts" / "molecule" / "default.result").write_text("FAILED 900\n")
@@ -77,8 +79,12 @@ def test_the_table_ends_with_each_failed_test_and_its_message(tmp_path: Path) ->
                     "--junitxml=artifacts/molecule/default.e2e.xml"], cwd=tmp_path, capture_output=True, check=False)
     table = _budget(tmp_path, "table").stdout
     failed = [line for line in table.splitlines() if line.startswith("FAILED")]
-    assert failed == ["FAILED default.e2e: test_flood: AssertionError: flooded p99 ms"], table
-    assert _row(table, "molecule default")[1:6] == ["900", "1", "0", "1", "FAILED"]
+    assert failed == ["FAILED default.e2e: test_wait: AssertionError: timed out",
+                      "FAILED default.e2e: test_flood: AssertionError: flooded p99 ms"], table
+    assert _row(table, "molecule default")[1:6] == ["900", "1", "0", "2", "FAILED"]
+    # The first failure's other lines come last, as many as pytest's message keeps.
+    rest = table.split("flooded p99 ms\n", 1)[1].splitlines()
+    assert rest[:60] == [f"  node {i}" for i in range(60)] and "10 more lines" in rest[60] and len(rest) == 61, table
     # The next run starts without the last one's failures.
     assert _budget(tmp_path, "start").returncode == 0
     assert "FAILED" not in _budget(tmp_path, "table").stdout
