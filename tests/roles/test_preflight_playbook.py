@@ -87,8 +87,7 @@ def test_a_run_of_one_stages_tags_runs_site_preflight_and_that_stages_preflights
     assert "shardstack_common : Hardware - probe PCI functions, GPU device nodes and RDMA devices" in listed
     assert "Preflight - no unknown role or shardstack variables" in listed
     # One step of a role still runs that role's preflight: the firewall's lockout guard before its ruleset.
-    guard = "firewall : Preflight - the ruleset keeps this ssh connection open"
-    assert guard in _listed(tmp_path, "firewall_configure")
+    assert "firewall : Preflight - the ruleset keeps this ssh connection open" in _listed(tmp_path, "firewall_configure")
     # Prometheus' scrape targets read the DCGM exporter's gating decision, recorded by that role's preflight.
-    gate = "dcgm_exporter : Preflight - record the gating decision for the scrape targets"
-    assert gate in _listed(tmp_path, "prometheus")
+    assert "dcgm_exporter : Preflight - record the gating decision for the scrape targets" in _listed(tmp_path,
+                                                                                                      "prometheus")
