@@ -122,7 +122,8 @@ e2e: setup
 # Three lanes on 2 cores: molecule default (the longest, its e2e inside); lint beside the unit tests (-O keeps each
 # one's output together), then the other scenarios but accelerators, one at a time (slurm); accelerators (~400 s)
 # beside them from the start. Two lanes (unit, accelerators, slurm in one) ended ~250 s after default (cc46: 2592 s);
-# with three, default is the last to end (cc47, three from one queue: 2463 s; cc48, these: 2453 s; bench/RESULTS.md).
+# with three, default is the last to end (cc47, three from one queue: 2463 s; cc48 and cc49, these: 2453 s and
+# 2173 s; bench/RESULTS.md).
 # The budget is 40 minutes; the table of every stage's seconds and test counts comes last, also when a stage failed.
 TEST_AFTER_UNIT = $(filter-out default accelerators,$(SCENARIOS))
 test: setup
