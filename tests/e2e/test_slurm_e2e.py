@@ -14,6 +14,7 @@ from __future__ import annotations
 import os
 import re
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -91,7 +92,8 @@ def _scontrol_job(inv: Path, job_id: str) -> dict[str, str]:
     return dict(kv.split("=", 1) for kv in text.split() if "=" in kv)
 
 
-def _wait(what: str, check, timeout: float = 300, poll: float = 2.0, explain=None):
+def _wait(what: str, check: Callable[[], Any], timeout: float = 300, poll: float = 2.0,
+          explain: Callable[[], str] | None = None) -> Any:
     """check()'s first true value; on timeout, an assertion with what explain() gathers (the cluster's side)."""
     deadline = time.monotonic() + timeout
     while not (value := check()):
