@@ -68,3 +68,29 @@ def test_slurm_scheduler_needs_the_controller_group(tmp_path: Path) -> None:
     assert "slurm_controller" in proc.stdout
     proc = _run(tmp_path, [*GROUPS, "slurm_controller"], {"shardstack_scheduler": "slurm"})
     assert proc.returncode == 0, proc.stdout + proc.stderr
+
+
+def _listed(tmp_path: Path, tags: str) -> list[str]:
+    """site.yml's tasks that `--tags TAGS` selects (`--list-tasks`), as "role : name" or "name"."""
+    proc = _run(tmp_path, GROUPS, {}, "../site.yml", "--list-tasks", "--tags", tags)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    return [line.split("\tTAGS:")[0].strip() for line in proc.stdout.splitlines()
+            if "\tTAGS:" in line and not line.lstrip().startswith("play #")]
+
+
+def test_a_run_of_one_stages_tags_runs_site_preflight_and_that_stages_preflights_only(tmp_path: Path) -> None:
+    """A role's preflight follows its stage's and its own tags (not `always`): `--tags loadbalancer` (revoking a key)
+    runs site.yml's preflight and the load balancer's, not the ~100 preflight tasks of every other role."""
+    listed = _listed(tmp_path, "loadbalancer")
+    preflights = {t.split(" : ")[0] for t in listed if " : Preflight - " in t}
+    assert preflights == {"loadbalancer"}, listed
+    assert "shardstack_common : Hardware - probe PCI functions, GPU device nodes and RDMA devices" in listed
+    assert "Preflight - no unknown role or shardstack variables" in listed
+    # The stage's plays skip their fact gathering (it carries their tags): site.yml's preflight gathers for them.
+    assert "Preflight - gather the facts a run of other tags skipped" in listed
+    # One step of a role still runs that role's preflight: the firewall's lockout guard before its ruleset.
+    guard = "firewall : Preflight - the ruleset keeps this ssh connection open"
+    assert guard in _listed(tmp_path, "firewall_configure")
+    # Prometheus' scrape targets read the DCGM exporter's gating decision, recorded by that role's preflight.
+    gate = "dcgm_exporter : Preflight - record the gating decision for the scrape targets"
+    assert gate in _listed(tmp_path, "prometheus")
