@@ -6,7 +6,7 @@ its slowest tasks and what the run is made of.
 Each size gets a fresh lab (prefix `eb`), the same prebuilt wheelhouse (its one-off build is not deploy time),
 and the lab's group layout (inventory.group_layout). Prints a table, then per size and run the --top tasks by wall
 time (first host's start to last host's end, from ansible-runner's per-host events; a task included in several
-plays counts once per play), and the run's make-up: tasks, tasks every host skipped, host results, and the results
+plays counts once per play, a handler once per flush), and the run's make-up: tasks, tasks every host skipped, host results, and the results
 by action (a loop's items each count; a template or copy that changes nothing is two module executions on the node,
 a stat and a file). The lab is taken down after each size. Needs root (the lab). On the 2-core CI host the
 first run is dominated by installing torch into each node's venv.
@@ -36,15 +36,21 @@ class Profile:
     without that collection)."""
 
     RESULTS = ("runner_on_ok", "runner_on_failed", "runner_on_skipped", "runner_on_unreachable")
+    STARTS = ("playbook_on_task_start", "playbook_on_handler_task_start")
 
     def __init__(self) -> None:
-        self._spans: dict[str, list] = {}  # task uuid -> [name, first start, last end]
+        # (task uuid, its nth start) -> [name, first start, last end]: a handler notified before two flushes runs
+        # twice under one uuid, and one span over both would count the tasks between them as its own time.
+        self._spans: dict[tuple[str, int], list] = {}
+        self._starts: Counter = Counter()  # task uuid -> times started so far
         self._outcomes: dict[str, Counter] = defaultdict(Counter)  # task uuid -> host results by event
         self.actions: Counter = Counter()  # action -> results that ran (ok or changed; a loop's items apart)
 
     def __call__(self, event: dict) -> None:
         data = event.get("event_data", {})
         kind = event.get("event")
+        if kind in self.STARTS:
+            self._starts[data.get("task_uuid", "")] += 1
         if kind in ("runner_item_on_ok", "runner_on_ok") and not data.get("res", {}).get("results"):
             self.actions[data.get("task_action", "?")] += 1
         if kind in self.RESULTS:
@@ -53,7 +59,8 @@ class Profile:
             return
         start, end = datetime.fromisoformat(data["start"]), datetime.fromisoformat(data["end"])
         name = f"{data['role']} : {data.get('task', '')}" if data.get("role") else data.get("task", "")
-        span = self._spans.setdefault(data.get("task_uuid", name), [name, start, end])
+        uuid = data.get("task_uuid", name)
+        span = self._spans.setdefault((uuid, self._starts[uuid]), [name, start, end])
         span[1], span[2] = min(span[1], start), max(span[2], end)
 
     def makeup(self) -> dict:

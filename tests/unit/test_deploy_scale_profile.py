@@ -1,0 +1,64 @@
+"""bench/deploy_scale.py's profile: each task's wall from ansible-runner's events, a handler's once per flush."""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import sys
+from pathlib import Path
+
+import ansible_runner
+import pytest
+
+BENCH = Path(__file__).resolve().parents[2] / "bench" / "deploy_scale.py"
+
+# One handler notified before two flushes, with an 8 s pause between them (no CPU: the bound holds under load): one
+# task uuid, two runs.
+PLAY = """
+- name: Profile
+  hosts: localhost
+  gather_facts: false
+  tasks:
+    - name: Change one
+      ansible.builtin.command: "true"
+      changed_when: true
+      notify: Handler
+    - name: Flush one
+      ansible.builtin.meta: flush_handlers
+    - name: Between the flushes
+      ansible.builtin.pause:
+        seconds: 8
+    - name: Change two
+      ansible.builtin.command: "true"
+      changed_when: true
+      notify: Handler
+  handlers:
+    - name: Handler
+      ansible.builtin.command: "true"
+"""
+
+
+def _profile_class() -> type:
+    spec = importlib.util.spec_from_file_location("deploy_scale", BENCH)
+    assert spec and spec.loader
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module.Profile
+
+
+def test_a_handler_run_at_two_flushes_is_two_runs_not_one_span_over_the_tasks_between(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("PATH", f"{Path(sys.executable).parent}{os.pathsep}{os.environ.get('PATH', '')}")
+    (tmp_path / "project").mkdir()
+    (tmp_path / "project" / "play.yml").write_text(PLAY)
+    profile = _profile_class()()
+    inventory = f"localhost ansible_connection=local ansible_python_interpreter={sys.executable}"
+    run = ansible_runner.run(private_data_dir=str(tmp_path), playbook="play.yml", inventory=inventory, quiet=True,
+                             event_handler=lambda event: profile(event) or True)
+    assert run.rc == 0, run.stdout.read()
+    walls = dict(profile.top(10))
+    assert walls["Between the flushes"] >= 8
+    # Its two runs add up to less than the pause between them (one span over both took the pause in).
+    assert 0 < walls["Handler"] < walls["Between the flushes"], walls
+    # Tasks with a host result: the handler counts once (flush_handlers has none).
+    assert profile.makeup()["tasks"] == 4, profile.makeup()
