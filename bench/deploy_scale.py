@@ -6,10 +6,10 @@ its slowest tasks and what the run is made of.
 Each size gets a fresh lab (prefix `eb`), the same prebuilt wheelhouse (its one-off build is not deploy time),
 and the lab's group layout (inventory.group_layout). Prints a table, then per size and run the --top tasks by wall
 time (first host's start to last host's end, from ansible-runner's per-host events; a task included in several
-plays counts once per play, a handler once per flush), and the run's make-up: tasks, tasks every host skipped, host results, and the results
-by action (a loop's items each count; a template or copy that changes nothing is two module executions on the node,
-a stat and a file). The lab is taken down after each size. Needs root (the lab). On the 2-core CI host the
-first run is dominated by installing torch into each node's venv.
+plays counts once per play, a handler once per flush), and the run's make-up: tasks, tasks every host skipped,
+host results, and the results by action (a loop's items each count; a template or copy that changes nothing is two
+module executions on the node, a stat and a file). The lab is taken down after each size. Needs root (the lab). On
+the 2-core CI host the first run is dominated by installing torch into each node's venv.
 """
 
 from __future__ import annotations
