@@ -2,8 +2,8 @@
 """Where `make test`'s minutes go: `budget.py stage NAME -- CMD...` runs CMD and records its wall time and exit code
 under artifacts/budget/; `budget.py table` prints one table of every recorded stage (seconds, tests passed, skipped,
 failed) from those records, pytest's JUnit files and molecule's per-scenario results, then each failed test with the
-first line of its message (CI keeps only the tail of the log). Standard library only: it runs before and after the
-venv's tools."""
+first line of its message and each host a failed scenario's verify failed on, with the task and its message (CI keeps
+only the tail of the log). Standard library only: it runs before and after the venv's tools."""
 
 from __future__ import annotations
 
@@ -22,6 +22,7 @@ MOLECULE = ARTIFACTS / "molecule"
 RECAP = re.compile(r"(\S+)\s*:\s*ok=(\d+)\s+changed=\d+\s+unreachable=(\d+)\s+failed=(\d+)\s+skipped=(\d+)")
 ANSI = re.compile(r"\x1b\[[0-9;]*m")
 MARGIN = re.compile(r"^[ \t]*[│└─]*[ \t]?", re.M)
+MSG = re.compile(r'"msg": "((?:[^"\\]|\\.)*)"')
 
 
 def stage(name: str, argv: list[str]) -> int:
@@ -60,8 +61,8 @@ def junit_failures(path: Path) -> list[tuple[str, list[str]]]:
     return out
 
 
-def verify_counts(log: Path) -> tuple[int, int, int] | None:
-    """(ok, skipped, failed) tasks of the verify's play recaps in a molecule log, None without a verify."""
+def verify_text(log: Path) -> str | None:
+    """The verify step's output in a molecule log, without colours or margins; None without a verify."""
     try:
         text = MARGIN.sub("", ANSI.sub("", log.read_text(errors="replace")))
     except OSError:
@@ -70,9 +71,47 @@ def verify_counts(log: Path) -> tuple[int, int, int] | None:
     if start < 0:
         return None
     end = text.find("➜ verify: Executed", start)
-    rows = RECAP.findall(text[start:end if end > 0 else None])
+    return text[start:end if end > 0 else None]
+
+
+def verify_counts(log: Path) -> tuple[int, int, int] | None:
+    """(ok, skipped, failed) tasks of the verify's play recaps in a molecule log, None without a verify."""
+    rows = RECAP.findall(verify_text(log) or "")
     return (sum(int(r[1]) for r in rows), sum(int(r[4]) for r in rows),
             sum(int(r[2]) + int(r[3]) for r in rows)) if rows else None
+
+
+def unquote(s: str) -> str:
+    try:
+        return json.loads(f'"{s}"')
+    except ValueError:
+        return s
+
+
+def verify_failures(log: Path) -> list[tuple[str, str, str]]:
+    """(host, task, message) for each host the verify's recap counts failed or unreachable: the host's last
+    `fatal:` (a failure a block rescued or ignore_errors passed is followed by more of the host's tasks)."""
+    text = verify_text(log)
+    if not text:
+        return []
+    bad = {r[0] for r in RECAP.findall(text) if int(r[2]) + int(r[3])}
+    last: dict[str, tuple[str, str]] = {}
+    lines, task = text.splitlines(), ""
+    for i, line in enumerate(lines):
+        if line.startswith("TASK ["):  # molecule wraps a long header: read on to its closing "] ***"
+            header = " ".join(part.strip() for part in lines[i:i + 4])
+            task = header[len("TASK ["):header.find("] *") if "] *" in header else None]
+        elif line.startswith("fatal: ["):
+            host = line[len("fatal: ["):].split("]", 1)[0].split(" -> ")[0]
+            block = []
+            for more in lines[i:]:
+                if not more.strip():
+                    break
+                block.append(more.strip())
+            result = " ".join(block).split("=>", 1)[-1]
+            msg = MSG.search(result)
+            last[host] = (task, unquote(msg.group(1)) if msg else result.strip())
+    return [(host, *last.get(host, ("?", "no fatal: line found for it"))) for host in sorted(bad)]
 
 
 def rows() -> list[tuple[str, float | None, str, tuple[int, int, int] | None, str]]:
@@ -107,6 +146,9 @@ def table() -> str:
     failures = [(xml.stem, name, msg) for xml in [*sorted(BUDGET.glob("*.xml")), *sorted(MOLECULE.glob("*.e2e.xml"))]
                 for name, msg in junit_failures(xml)]
     lines += [f"FAILED {stem}: {name}: {msg[0].strip()[:300]}" for stem, name, msg in failures]
+    failed_scenarios = sorted(r.stem for r in MOLECULE.glob("*.result") if r.read_text().split()[0] != "passed")
+    lines += [f"FAILED molecule {name} verify: [{host}] {task}: {msg[:300]}"
+              for name in failed_scenarios for host, task, msg in verify_failures(MOLECULE / f"{name}.log")]
     # The rest of the first failure's message last (a CI log may keep only its end): e.g. what the cluster said.
     # pytest's JUnit message keeps a long one's first lines and says how many more the element's text has.
     if failures:

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import subprocess
 import sys
+import textwrap
 from pathlib import Path
 
 BUDGET = Path(__file__).resolve().parents[2] / ".ci" / "budget.py"
@@ -93,3 +94,52 @@ def test_the_table_ends_with_each_failed_test_and_its_message(tmp_path: Path) ->
 def test_bad_usage_exits_2(tmp_path: Path) -> None:
     out = _budget(tmp_path, "stage", "x")
     assert out.returncode == 2 and "usage" in out.stderr
+
+
+def test_the_table_names_each_host_a_verify_failed_on_with_its_task_and_message(tmp_path: Path) -> None:
+    """A real ansible-playbook run, laid out as molecule logs it (margin, lines wrapped at 80 columns): the failure
+    a block rescued and the one ignore_errors passed are not the host's failure; the unrescued one is."""
+    (tmp_path / "hosts.yml").write_text(
+        "all:\n  hosts:\n    node1: {}\n    node2: {}\n  vars: {ansible_connection: local, "
+        f"ansible_python_interpreter: {sys.executable}}}\n")
+    (tmp_path / "verify.yml").write_text("""
+- name: Verify
+  hosts: all
+  gather_facts: false
+  tasks:
+    - name: A guard that is meant to refuse, rescued
+      block:
+        - name: Refuse
+          ansible.builtin.fail: {msg: refused as meant}
+      rescue:
+        - name: Rescued
+          ansible.builtin.debug: {msg: ok}
+    - name: A failure that is ignored
+      ansible.builtin.fail: {msg: ignored}
+      ignore_errors: true
+    - name: "Verify - a line logged on each sender reaches the central store within 10 s, and it is found from the
+        controller"
+      ansible.builtin.assert:
+        that: inventory_hostname != 'node2'
+        fail_msg: "arrived after 14.2 s on node2 \\u2014 \\"slow\\""
+    - name: After
+      ansible.builtin.debug: {msg: ok}
+""")
+    run = subprocess.run([str(Path(sys.executable).parent / "ansible-playbook"), "-i", "hosts.yml", "verify.yml"],
+                         cwd=tmp_path, capture_output=True, text=True, timeout=300,
+                         env={"PATH": str(Path(sys.executable).parent) + ":/usr/bin:/bin", "HOME": str(tmp_path),
+                              "ANSIBLE_NOCOLOR": "1", "ANSIBLE_STDERR_CALLBACK": "", "LANG": "C.UTF-8"})
+    assert run.returncode == 2, run.stdout + run.stderr
+    wrapped = "\n".join(f"  \u2502 {part}" for line in (run.stderr + run.stdout).splitlines()
+                        for part in (textwrap.wrap(line, 78, subsequent_indent="  ") or [""]))
+    assert _budget(tmp_path, "start").returncode == 0
+    molecule = tmp_path / "artifacts" / "molecule"
+    molecule.mkdir(parents=True)
+    (molecule / "default.result").write_text("FAILED 900\n")
+    (molecule / "default.log").write_text("INFO     default \u279c verify: Executing\n" + wrapped
+                                          + "\nINFO     default \u279c verify: Executed: Failed\n")
+    table = _budget(tmp_path, "table").stdout
+    assert _row(table, "molecule default")[5] == "FAILED"
+    assert [line for line in table.splitlines() if line.startswith("FAILED")] == [
+        "FAILED molecule default verify: [node2] Verify - a line logged on each sender reaches the central store "
+        "within 10 s, and it is found from the controller: arrived after 14.2 s on node2 \u2014 \"slow\""], table
