@@ -128,7 +128,7 @@ def test_the_table_names_each_host_a_verify_failed_on_with_its_task_and_message(
     run = subprocess.run([str(Path(sys.executable).parent / "ansible-playbook"), "-i", "hosts.yml", "verify.yml"],
                          cwd=tmp_path, capture_output=True, text=True, timeout=300,
                          env={"PATH": str(Path(sys.executable).parent) + ":/usr/bin:/bin", "HOME": str(tmp_path),
-                              "ANSIBLE_NOCOLOR": "1", "ANSIBLE_STDERR_CALLBACK": "", "LANG": "C.UTF-8"})
+                              "ANSIBLE_NOCOLOR": "1", "LANG": "C.UTF-8"})
     assert run.returncode == 2, run.stdout + run.stderr
     wrapped = "\n".join(f"  \u2502 {part}" for line in (run.stderr + run.stdout).splitlines()
                         for part in (textwrap.wrap(line, 78, subsequent_indent="  ") or [""]))
