@@ -1,8 +1,12 @@
 """Project wiring that users rely on without noticing: CLI behaviour, group_vars visibility, the CI entry point."""
 
+import configparser
+import os
 import subprocess
 import sys
 from pathlib import Path
+
+import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -40,3 +44,24 @@ def test_help_lists_commands_without_importing_them() -> None:
 def test_deploy_with_missing_inventory_is_a_clear_error(tmp_path: Path) -> None:
     proc = run_cli("deploy", "-i", str(tmp_path / "nope.yml"))
     assert proc.returncode == 2 and "does not exist" in proc.stderr and "Traceback" not in proc.stderr
+
+
+def test_molecule_runs_tasks_the_way_ansible_cfg_does(monkeypatch: pytest.MonkeyPatch) -> None:
+    # Molecule writes its own ansible.cfg; every scenario must still run modules as site.yml does (pipelined, facts
+    # only under ansible_facts), or a role could pass molecule and fail the project's settings, and run ~25 % slower.
+    from molecule import config
+
+    cfg = configparser.ConfigParser(interpolation=None)
+    cfg.read(ROOT / "ansible.cfg")
+    monkeypatch.setenv("MOLECULE_PROJECT_DIRECTORY", str(ROOT))
+    monkeypatch.setenv("PATH", f"{Path(sys.executable).parent}:{os.environ['PATH']}")  # molecule runs ansible-config
+    scenarios = sorted(p.parent.name for p in (ROOT / "molecule").glob("*/molecule.yml"))
+    assert "default" in scenarios
+    for name in scenarios:
+        scenario = config.Config(str(ROOT / "molecule" / name / "molecule.yml"),
+                                 args={"base_config": [str(ROOT / ".config/molecule/config.yml")]})
+        options = scenario.provisioner.config_options
+        for section, key in [("defaults", "inject_facts_as_vars"), ("ssh_connection", "pipelining"),
+                             ("ssh_connection", "ssh_args")]:
+            got, want = str(options[section][key]), cfg.get(section, key)
+            assert got.lower() == want.lower(), (name, section, key, got, want)
