@@ -73,7 +73,7 @@ def test_secure_boot_fails_a_node_whose_modules_would_not_load(
     r = role_eval("nvidia_driver", facts, shardstack_hardware=hardware(pci=(GPU,)),
                   __nvidia_driver_sb_module={"stat": {"exists": loaded}},
                   __nvidia_driver_mokutil={"stdout": state, "rc": 0}, nvidia_driver_secure_boot_mok_enrolled=enrolled)
-    check = _task("secure_boot.yml", "Secure Boot - the DKMS-built modules can load")
+    check = _task("secure_boot_checks.yml", "Secure Boot - the DKMS-built modules can load")
     applies = r[check["when"]]
     assert applies is (not container and not loaded)
     assert (not applies or r[check["ansible.builtin.assert"]["that"]]) is passes
