@@ -71,10 +71,11 @@ class Service:
     `verify` trusts that CA only, for the clients tests build."""
 
     def __init__(self, model: Path, workdir: Path, *args: str, env: dict[str, str] | None = None,
-                 python: str = sys.executable, ca: Path | None = None) -> None:
+                 python: str = sys.executable, ca: Path | None = None, ready_timeout: float = READY_TIMEOUT) -> None:
         with socket.socket() as s:
             s.bind(("127.0.0.1", 0))
             self.port = s.getsockname()[1]
+        self.ready_timeout = ready_timeout
         self.url = f"{'https' if ca else 'http'}://127.0.0.1:{self.port}"
         self.verify: ssl.SSLContext | bool = ssl.create_default_context(cafile=str(ca)) if ca else True
         self.notify = NotifySocket(workdir)
@@ -90,12 +91,12 @@ class Service:
 
     def wait_ready(self) -> None:
         """Poll /health until READY=1 arrives, remembering what /health said meanwhile."""
-        deadline = time.monotonic() + READY_TIMEOUT
+        deadline = time.monotonic() + self.ready_timeout
         while not any(f.get("READY") == "1" for _, f in self.notify.messages):
             if self.proc.poll() is not None:
                 raise AssertionError(f"service exited with {self.proc.returncode}:\n{self.log()}")
             if time.monotonic() > deadline:
-                raise AssertionError(f"no READY=1 within {READY_TIMEOUT}s:\n{self.log()}")
+                raise AssertionError(f"no READY=1 within {self.ready_timeout}s:\n{self.log()}")
             with contextlib.suppress(httpx.TransportError):
                 r = httpx.get(self.url + "/health", timeout=2, verify=self.verify)
                 json_body = r.headers.get("content-type", "").startswith("application/json")
