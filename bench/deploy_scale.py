@@ -8,8 +8,8 @@ and the lab's group layout (inventory.group_layout). Prints a table, then per si
 time (first host's start to last host's end, from ansible-runner's per-host events; a task included in several
 plays counts once per play, a handler once per flush), and the run's make-up: tasks, tasks every host skipped,
 host results, and the results by action (a loop's items each count; a template or copy that changes nothing is two
-module executions on the node, a stat and a file). The lab is taken down after each size. Needs root (the lab). On
-the 2-core CI host the first run is dominated by installing torch into each node's venv.
+module executions on the node, a stat and a file) and its CPU (class Cpu). The lab is taken down after each size.
+Needs root (the lab). On the 2-core CI host the first run is dominated by installing torch into each node's venv.
 """
 
 from __future__ import annotations
@@ -18,6 +18,7 @@ import argparse
 import json
 import os
 import platform
+import resource
 import sys
 import tempfile
 import time
@@ -78,6 +79,33 @@ class Profile:
         return sorted(walls.items(), key=lambda kv: -kv[1])[:n]
 
 
+class Cpu:
+    """CPU seconds one run cost, to tell work from waiting: the whole machine's busy time (/proc/stat) against its
+    cores × wall, the lab nodes' (each node's cgroup2 cpu.stat: its sshd, the modules, what they start) and the
+    controller side's (this process and the processes it reaped: ansible-playbook, its workers, the ssh clients; not
+    the ssh connection masters, which outlive the run detached)."""
+
+    def __init__(self, cgroups: list[Path]) -> None:
+        self.stats = [c / "cpu.stat" for c in cgroups]  # cgroup2 directories
+
+    def _sample(self) -> tuple[float, float, float, float]:
+        fields = [int(v) for v in Path("/proc/stat").read_text().split("\n", 1)[0].split()[1:]]
+        tick = os.sysconf("SC_CLK_TCK")
+        busy, total = (sum(fields) - fields[3] - fields[4]) / tick, sum(fields) / tick  # less idle and iowait
+        nodes = sum(int(p.read_text().split()[1]) / 1e6 for p in self.stats if p.exists())  # usage_usec
+        own = [resource.getrusage(w) for w in (resource.RUSAGE_SELF, resource.RUSAGE_CHILDREN)]
+        return busy, total, nodes, sum(r.ru_utime + r.ru_stime for r in own)
+
+    def __enter__(self) -> Cpu:
+        self.start = self._sample()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        busy, total, nodes, controller = (b - a for a, b in zip(self.start, self._sample(), strict=True))
+        self.result = {"busy_cpu_s": round(busy, 1), "busy_share": round(busy / total, 2) if total else 0.0,
+                       "nodes_cpu_s": round(nodes, 1), "controller_cpu_s": round(controller, 1)}
+
+
 def deploy_times(nodes: int, wheelhouse: Path, top: int) -> dict:
     name = f"eb{nodes}"
     if name in lab.st.list_labs():
@@ -90,8 +118,11 @@ def deploy_times(nodes: int, wheelhouse: Path, top: int) -> dict:
         try:
             extravars = {"training_runtime_wheelhouse_src": str(wheelhouse)}
             first_profile, again_profile = Profile(), Profile()
-            first = run_playbook("site.yml", inventory, extravars=extravars, on_event=first_profile)
-            again = run_playbook("site.yml", inventory, extravars=extravars, on_event=again_profile)
+            cgroups = [lab.st.cgroup_paths(name, n.name)[-1] for n in lab.st.LabState.load(name).nodes]
+            with Cpu(cgroups) as first_cpu:
+                first = run_playbook("site.yml", inventory, extravars=extravars, on_event=first_profile)
+            with Cpu(cgroups) as again_cpu:
+                again = run_playbook("site.yml", inventory, extravars=extravars, on_event=again_profile)
         finally:
             lab.down(name, Progress())
     if not (first.success and again.success):
@@ -101,7 +132,8 @@ def deploy_times(nodes: int, wheelhouse: Path, top: int) -> dict:
     return {"nodes": nodes, "lab_up_s": round(boot, 1), "first_s": round(first.seconds, 1),
             "first_changed": first.changed, "rerun_s": round(again.seconds, 1), "rerun_changed": again.changed,
             "first_top": first_profile.top(top), "rerun_top": again_profile.top(top),
-            "first_makeup": first_profile.makeup(), "rerun_makeup": again_profile.makeup()}
+            "first_makeup": first_profile.makeup(), "rerun_makeup": again_profile.makeup(),
+            "first_cpu": first_cpu.result, "rerun_cpu": again_cpu.result}
 
 
 def main() -> int:
@@ -131,6 +163,9 @@ def main() -> int:
             print(f"  {m['tasks']} tasks ({m['all_skipped']} skipped on every host); {m['ok_results']} ok and "
                   f"{m['skipped_results']} skipped host results; results by action:")
             print("  " + ", ".join(f"{mod.removeprefix('ansible.builtin.')} {n}" for mod, n in m["actions"].items()))
+            c = r[f"{run}_cpu"]
+            print(f"  CPU: {c['busy_cpu_s']} s busy over the machine's cores ({c['busy_share']:.0%} of cores × wall); "
+                  f"lab nodes {c['nodes_cpu_s']} s, controller side {c['controller_cpu_s']} s")
     if args.json:
         args.json.write_text(json.dumps({"rows": rows, "host_cores": os.cpu_count(), "load": load}, indent=2))
     return 0
