@@ -38,7 +38,7 @@ PLAY = """
 """
 
 
-def _bench(name: str = "Profile") -> type:
+def _bench(name: str) -> type:
     spec = importlib.util.spec_from_file_location("deploy_scale", BENCH)
     assert spec and spec.loader
     module = importlib.util.module_from_spec(spec)
@@ -46,16 +46,12 @@ def _bench(name: str = "Profile") -> type:
     return getattr(module, name)
 
 
-def _profile_class() -> type:
-    return _bench()
-
-
 def test_a_handler_run_at_two_flushes_is_two_runs_not_one_span_over_the_tasks_between(
         tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("PATH", f"{Path(sys.executable).parent}{os.pathsep}{os.environ.get('PATH', '')}")
     (tmp_path / "project").mkdir()
     (tmp_path / "project" / "play.yml").write_text(PLAY)
-    profile = _profile_class()()
+    profile = _bench("Profile")()
     inventory = f"localhost ansible_connection=local ansible_python_interpreter={sys.executable}"
     run = ansible_runner.run(private_data_dir=str(tmp_path), playbook="play.yml", inventory=inventory, quiet=True,
                              event_handler=lambda event: profile(event) or True)
