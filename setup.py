@@ -8,7 +8,7 @@ from pathlib import Path
 from setuptools import setup
 from setuptools.command.build_py import build_py
 
-ANSIBLE_TREE = ["site.yml", "ansible.cfg", "group_vars", "playbooks", "roles", "inventory/sample"]
+ANSIBLE_TREE = ["site.yml", "ansible.cfg", "group_vars", "playbooks", "plugins", "roles", "inventory/sample"]
 
 
 class BuildWithPlaybooks(build_py):

@@ -1,15 +1,17 @@
-"""Deploy time of site.yml on 1, 2 and 4 lab nodes: first run from bare nodes and an idempotent re-run, each with
-its slowest tasks and what the run is made of.
+"""Deploy time of site.yml on 1, 2 and 4 lab nodes: first run from bare nodes and an idempotent re-run, each with its
+slowest tasks and what the run is made of.
 
-    python bench/deploy_scale.py [--nodes 1 2 4] [--top 10] [--json out.json]
+    python bench/deploy_scale.py [--nodes 1 2 4] [--strategy linear mitogen_linear] [--top 10] [--json out.json]
 
-Each size gets a fresh lab (prefix `eb`), the same prebuilt wheelhouse (its one-off build is not deploy time),
-and the lab's group layout (inventory.group_layout). Prints a table, then per size and run the --top tasks by wall
-time (first host's start to last host's end, from ansible-runner's per-host events; a task included in several
-plays counts once per play, a handler once per flush), and the run's make-up: tasks, tasks every host skipped,
-host results, and the results by action (a loop's items each count; a template or copy that changes nothing is two
-module executions on the node, a stat and a file) and its CPU (class Cpu). The lab is taken down after each size.
-Needs root (the lab). On the 2-core CI host the first run is dominated by installing torch into each node's venv.
+Each size gets a fresh lab (prefix `eb`), the same prebuilt wheelhouse (its one-off build is not deploy time), and
+the lab's group layout (inventory.group_layout); with --strategy, each size once per Ansible strategy named
+(ANSIBLE_STRATEGY; by default the one ansible.cfg names), one after the other. Prints a table, then per size and run
+the --top tasks by wall time (first host's start to last host's end, from ansible-runner's per-host events; a task
+included in several plays counts once per play, a handler once per flush), and the run's make-up: tasks, tasks every
+host skipped, host results, and the results by action (a loop's items each count; a template or copy that changes
+nothing is two module executions on the node, a stat and a file) and its CPU (class Cpu). The lab is taken down
+after each size. Needs root (the lab). On the 2-core CI host the first run is dominated by installing torch into
+each node's venv.
 """
 
 from __future__ import annotations
@@ -106,7 +108,7 @@ class Cpu:
                        "nodes_cpu_s": round(nodes, 1), "controller_cpu_s": round(controller, 1)}
 
 
-def deploy_times(nodes: int, wheelhouse: Path, top: int) -> dict:
+def deploy_times(nodes: int, wheelhouse: Path, top: int, strategy: str | None = None) -> dict:
     name = f"eb{nodes}"
     if name in lab.st.list_labs():
         lab.down(name, Progress())
@@ -115,6 +117,9 @@ def deploy_times(nodes: int, wheelhouse: Path, top: int) -> dict:
         t = time.monotonic()
         lab.up(name, nodes, inventory, Progress())
         boot = time.monotonic() - t
+        old = os.environ.get("ANSIBLE_STRATEGY")
+        if strategy:
+            os.environ["ANSIBLE_STRATEGY"] = strategy  # ansible-runner passes the environment on
         try:
             extravars = {"training_runtime_wheelhouse_src": str(wheelhouse)}
             first_profile, again_profile = Profile(), Profile()
@@ -124,39 +129,56 @@ def deploy_times(nodes: int, wheelhouse: Path, top: int) -> dict:
             with Cpu(cgroups) as again_cpu:
                 again = run_playbook("site.yml", inventory, extravars=extravars, on_event=again_profile)
         finally:
+            os.environ.pop("ANSIBLE_STRATEGY", None)
+            if old is not None:
+                os.environ["ANSIBLE_STRATEGY"] = old
             lab.down(name, Progress())
     if not (first.success and again.success):
         failed = {h: (r.failed_task, r.message) for res in (first, again) for h, r in res.hosts.items()
                   if not r.success}
         raise SystemExit(f"{nodes} node(s): site.yml failed: {failed}")
-    return {"nodes": nodes, "lab_up_s": round(boot, 1), "first_s": round(first.seconds, 1),
+    return {"nodes": nodes, "strategy": strategy or configured_strategy(), "lab_up_s": round(boot, 1),
+            "first_s": round(first.seconds, 1),
             "first_changed": first.changed, "rerun_s": round(again.seconds, 1), "rerun_changed": again.changed,
             "first_top": first_profile.top(top), "rerun_top": again_profile.top(top),
             "first_makeup": first_profile.makeup(), "rerun_makeup": again_profile.makeup(),
             "first_cpu": first_cpu.result, "rerun_cpu": again_cpu.result}
 
 
+def configured_strategy() -> str:
+    """The strategy a run gets without --strategy: $ANSIBLE_STRATEGY, else ansible.cfg's, else Ansible's default."""
+    import configparser
+
+    cfg = configparser.ConfigParser(interpolation=None)
+    cfg.read(project_dir() / "ansible.cfg")
+    return os.environ.get("ANSIBLE_STRATEGY") or cfg.get("defaults", "strategy", fallback="linear")
+
+
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--nodes", type=int, nargs="+", default=[1, 2, 4])
+    p.add_argument("--strategy", nargs="+", default=[None], metavar="NAME",
+                   help="Ansible strategies to compare, each on a fresh lab per size (default: ansible.cfg's)")
     p.add_argument("--top", type=int, default=10, help="slowest tasks to list per run (default 10)")
     p.add_argument("--json", type=Path, help="also write the rows here")
     args = p.parse_args()
     if os.geteuid() != 0:
         raise SystemExit("the lab needs root")
     wh = build(project_dir(), log=lambda m: print(m, file=sys.stderr))
-    rows = [deploy_times(n, wh.path, args.top) for n in args.nodes]
+    rows = [deploy_times(n, wh.path, args.top, strategy) for n in args.nodes for strategy in args.strategy]
     load = os.getloadavg()[0]
     print(f"\nsite.yml deploy time on lab nodes ({os.cpu_count()} host cores, load {load:.1f}, "
           f"{platform.node()}; wheelhouse {wh.bytes / 2**20:.0f} MiB prebuilt)")
-    print(f"{'nodes':>5} | {'first run (s)':>13} | {'changed':>7} | {'re-run (s)':>10} | {'changed':>7}")
-    print("-" * 56)
+    print(f"{'nodes':>5} | {'strategy':<14} | {'first run (s)':>13} | {'changed':>7} | {'re-run (s)':>10} | "
+          f"{'changed':>7}")
+    print("-" * 73)
     for r in rows:
-        print(f"{r['nodes']:>5} | {r['first_s']:>13.1f} | {r['first_changed']:>7} | {r['rerun_s']:>10.1f} | "
-              f"{r['rerun_changed']:>7}")
+        print(f"{r['nodes']:>5} | {r['strategy']:<14} | {r['first_s']:>13.1f} | {r['first_changed']:>7} | "
+              f"{r['rerun_s']:>10.1f} | {r['rerun_changed']:>7}")
     for r in rows:
         for run in ("first", "rerun"):
-            print(f"\n{r['nodes']} node(s), {'first run' if run == 'first' else 're-run'}: slowest tasks (wall s)")
+            print(f"\n{r['nodes']} node(s), {r['strategy']}, {'first run' if run == 'first' else 're-run'}: "
+                  "slowest tasks (wall s)")
             for name, wall in r[f"{run}_top"]:
                 print(f"  {wall:7.1f}  {name}")
             m = r[f"{run}_makeup"]

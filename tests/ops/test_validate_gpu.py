@@ -103,7 +103,8 @@ def test_the_gpu_and_all_reduce_plays_on_this_machine(tmp_path: Path) -> None:
     groups = ["train_nodes", "inference_nodes", "storage_server", "monitoring_server", "loadbalancer"]
     inv.write_text(json.dumps({"all": {
         "hosts": {"node1": {"ansible_host": "127.0.0.1"}},
-        "vars": {"ansible_connection": "local", "ansible_python_interpreter": sys.executable},
+        # ansible_user: the login user, so that Mitogen skips become (sudo) as plain Ansible does.
+        "vars": {"ansible_connection": "local", "ansible_user": "root", "ansible_python_interpreter": sys.executable},
         "children": {g: {"hosts": {"node1": {}}} for g in groups[:2]} | {g: {"hosts": {}} for g in groups[2:]},
     }}))
     # A floor no link reaches: the sweep still runs and reports every size; validate fails on the floor alone.

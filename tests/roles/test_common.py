@@ -246,7 +246,8 @@ def test_one_home_per_concern(concern: str) -> None:
 # --- the task files on a real host (this machine, local connection): read-only probes, no package is installed ---
 
 
-def _play(tmp_path: Path, tasks: list[dict], roles: dict[str, dict[str, str]] | None = None) -> str:
+def _play(tmp_path: Path, tasks: list[dict], roles: dict[str, dict[str, str]] | None = None,
+          env: dict[str, str] | None = None) -> str:
     """Run one play on localhost with the repository's roles (and `roles`, written under tmp_path) on the path."""
     for name, files in (roles or {}).items():
         for rel, text in files.items():
@@ -256,6 +257,7 @@ def _play(tmp_path: Path, tasks: list[dict], roles: dict[str, dict[str, str]] | 
     (tmp_path / "play.yml").write_text(yaml.safe_dump(play, sort_keys=False))
     env = {
         **os.environ,
+        **(env or {}),
         "ANSIBLE_CONFIG": str(REPO / "ansible.cfg"),
         "ANSIBLE_ROLES_PATH": f"{tmp_path / 'roles'}:{ROLES}",
         "ANSIBLE_CACHE_PLUGIN_CONNECTION": str(tmp_path / "facts"),
@@ -269,6 +271,27 @@ def _play(tmp_path: Path, tasks: list[dict], roles: dict[str, dict[str, str]] | 
         cwd=REPO, env=env, capture_output=True, text=True, timeout=300,
     )
     return proc.stdout + proc.stderr
+
+
+def test_the_project_config_runs_a_hosts_modules_in_one_interpreter(tmp_path: Path) -> None:
+    # ansible.cfg's strategy (Mitogen's linear): every module of a play runs in the one Python that Mitogen keeps
+    # per host, so two commands share their parent; Ansible's own linear starts a Python per module (the contrast
+    # shows the probe tells the two apart).
+    tasks = [{"name": f"Parent {i}", "ansible.builtin.command": "sh -c 'echo $PPID'", "register": f"p{i}",
+              "changed_when": False} for i in (1, 2)]
+    tasks.append({"name": "Parents", "ansible.builtin.debug": {"msg": "parents={{ p1.stdout }},{{ p2.stdout }}"}})
+
+    def parents(out: str) -> tuple[str, str]:
+        found = re.search(r"parents=(\d+),(\d+)", out)
+        assert found and "failed=0" in out, out
+        return found[1], found[2]
+
+    (tmp_path / "mitogen").mkdir()
+    (tmp_path / "linear").mkdir()
+    first, second = parents(_play(tmp_path / "mitogen", tasks))
+    assert first == second
+    first, second = parents(_play(tmp_path / "linear", tasks, env={"ANSIBLE_STRATEGY": "linear"}))
+    assert first != second
 
 
 WIDGET_MAIN = yaml.safe_dump(

@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import os
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -37,7 +36,8 @@ def _run(tmp_path: Path, served: bytes, pins: list[str]):
     inv = tmp_path / "inv" / "hosts.yml"
     inv.parent.mkdir(exist_ok=True)
     inv.write_text(yaml.safe_dump({"all": {"hosts": {"localhost": {}}, "vars": {
-        "ansible_connection": "local", "ansible_python_interpreter": sys.executable}}}))
+        # The system Python: the role's apt task needs python3-apt in the interpreter (Mitogen runs it there).
+        "ansible_connection": "local", "ansible_python_interpreter": "/usr/bin/python3"}}}))
     res = run_playbook("tests/ops/playbooks/repo_key.yml", inv, artifacts=tmp_path / "art", extravars={
         "__shardstack_common_key_url": src.as_uri(), "__shardstack_common_key_path": str(dest),
         "__shardstack_common_key_fingerprints": pins})

@@ -46,7 +46,10 @@ def render(lab: LabState) -> dict:
             "vars": {
                 "ansible_user": "root",
                 "ansible_ssh_private_key_file": lab.ssh_key,
-                "ansible_ssh_common_args": "-o StrictHostKeyChecking=no -o UserKnownHostsFile=/dev/null",
+                # Throwaway host keys, regenerated with each lab: not checked, never recorded (ansible's ssh plugin
+                # and Mitogen's both read the variable; ssh_common_args alone would not reach Mitogen's check).
+                "ansible_host_key_checking": False,
+                "ansible_ssh_common_args": "-o UserKnownHostsFile=/dev/null",
                 "ansible_python_interpreter": "/usr/bin/python3",
                 # The lab has no NFS in the kernel: shared storage is one host directory bind-mounted everywhere.
                 "shared_storage_backend": "bind",

@@ -229,6 +229,11 @@ def _ansible_env(root: Path) -> dict[str, str]:
     return env
 
 
+def unreachable_message(res: dict[str, Any]) -> str:
+    """Why a host was unreachable, on one line: Mitogen's message quotes ssh's output below its own first line."""
+    return " ".join(str(res.get("msg") or "no answer").split())[:2000]
+
+
 def run_playbook(
     playbook: str,
     inventory: Path,
@@ -265,6 +270,8 @@ def run_playbook(
             hr = hosts.setdefault(host, HostResult(host))
             hr.failed_task = data.get("task")
             hr.message = str(res.get("msg") or res.get("stderr") or res.get("reason") or res)[:2000]
+            if event.get("event") == "runner_on_unreachable":
+                hr.message = unreachable_message(res)
         if on_event:
             on_event(event)
         return True
@@ -363,7 +370,7 @@ def run_module(
                                           res.get("stdout", ""), res.get("stderr", ""),
                                           message=None if kind == "runner_on_ok" else str(res.get("msg", ""))[:500])
         elif kind == "runner_on_unreachable":
-            results[host] = CommandResult(host, -1, unreachable=True, message=str(res.get("msg", ""))[:500])
+            results[host] = CommandResult(host, -1, unreachable=True, message=unreachable_message(res)[:500])
         return True
 
     ansible_runner.run(
