@@ -33,8 +33,7 @@ def _local_inventory(path: Path, **groups: list[str]) -> Path:
     hosts = sorted({h for members in groups.values() for h in members})
     path.write_text(json.dumps({"all": {
         "hosts": {h: {} for h in hosts},
-        # ansible_user: the login user, so that Mitogen skips become (sudo) as plain Ansible does.
-        "vars": {"ansible_connection": "local", "ansible_user": "root", "ansible_python_interpreter": sys.executable},
+        "vars": {"ansible_connection": "local", "ansible_python_interpreter": sys.executable},
         "children": {g: {"hosts": {h: {} for h in members}} for g, members in groups.items()},
     }}))
     return path
@@ -101,7 +100,7 @@ def _with_a_down_node(path: Path, group: str) -> Path:
     path.write_text(json.dumps({"all": {
         "vars": {"ansible_python_interpreter": sys.executable, "shardstack_scheduler": "systemd"},
         "children": {group: {"hosts": {
-            "h1": {"ansible_connection": "local", "ansible_user": "root"},
+            "h1": {"ansible_connection": "local"},
             "h2": {"ansible_connection": "ssh", "ansible_host": "127.0.0.1", "ansible_port": 9,
                    "ansible_ssh_common_args": "-o ConnectTimeout=3 -o BatchMode=yes"}}}},
     }}))

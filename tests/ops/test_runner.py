@@ -23,6 +23,20 @@ def local_inventory(tmp_path: Path) -> Path:
     return inv
 
 
+def test_an_unreachable_host_is_one_line_naming_why(tmp_path: Path) -> None:
+    # Over Mitogen (ansible.cfg) the message quotes ssh's output under a line of its own; a run prints it, and the
+    # CLI's errors join it, on one line. Ad-hoc commands run without Mitogen: the same on their side.
+    inv = tmp_path / "hosts.yml"
+    inv.write_text(json.dumps({"all": {"hosts": {"gone": {"ansible_host": "127.0.0.1", "ansible_port": 1}},
+                                       "vars": {"ansible_connection": "ssh"},
+                                       "children": {"train_nodes": {"hosts": {"gone": {}}}}}}))
+    res = run_playbook("tests/ops/playbooks/runner_sample.yml", inv, artifacts=tmp_path / "art")
+    cmd = run_command(["true"], inv, "gone", artifacts=tmp_path / "adhoc")["gone"]
+    for message in (res.hosts["gone"].message, cmd.message):
+        assert message and "\n" not in message and "Connection refused" in message, message
+    assert res.hosts["gone"].unreachable and cmd.unreachable
+
+
 def test_run_playbook_reports_per_host_results(local_inventory: Path, tmp_path: Path) -> None:
     events: list[str] = []
     res = run_playbook("tests/ops/playbooks/runner_sample.yml", local_inventory, artifacts=tmp_path / "art",

@@ -39,9 +39,7 @@ def _inventory(tmp_path: Path, **extra: Any) -> Path:
     inv = tmp_path / "hosts.yml"
     inv.write_text(json.dumps({"all": {
         "hosts": {"h1": {}},
-        # ansible_user: Mitogen skips become only for the login user, which a local connection names no other way.
-        "vars": {"ansible_connection": "local", "ansible_user": "root", "ansible_python_interpreter": sys.executable,
-                 **extra},
+        "vars": {"ansible_connection": "local", "ansible_python_interpreter": sys.executable, **extra},
         "children": {"train_nodes": {"hosts": {"h1": {}}}, "monitoring_server": {"hosts": {"h1": {}}}},
     }}))
     return inv

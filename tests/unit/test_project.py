@@ -61,7 +61,7 @@ def test_molecule_runs_tasks_the_way_ansible_cfg_does(monkeypatch: pytest.Monkey
         scenario = config.Config(str(ROOT / "molecule" / name / "molecule.yml"),
                                  args={"base_config": [str(ROOT / ".config/molecule/config.yml")]})
         options = scenario.provisioner.config_options
-        for section, key in [("defaults", "inject_facts_as_vars"), ("defaults", "strategy"),
+        for section, key in [("defaults", "inject_facts_as_vars"), ("defaults", "strategy"), ("defaults", "timeout"),
                              ("ssh_connection", "pipelining"),
                              ("ssh_connection", "ssh_args")]:
             got, want = str(options[section][key]), cfg.get(section, key)
