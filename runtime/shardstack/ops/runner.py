@@ -269,9 +269,8 @@ def run_playbook(
             res = data.get("res", {})
             hr = hosts.setdefault(host, HostResult(host))
             hr.failed_task = data.get("task")
-            hr.message = str(res.get("msg") or res.get("stderr") or res.get("reason") or res)[:2000]
-            if event.get("event") == "runner_on_unreachable":
-                hr.message = unreachable_message(res)
+            hr.message = (unreachable_message(res) if event.get("event") == "runner_on_unreachable" else
+                          str(res.get("msg") or res.get("stderr") or res.get("reason") or res)[:2000])
         if on_event:
             on_event(event)
         return True
