@@ -136,6 +136,9 @@ def deploy_times(nodes: int, wheelhouse: Path, top: int, strategy: str | None = 
     if not (first.success and again.success):
         failed = {h: (r.failed_task, r.message) for res in (first, again) for h, r in res.hosts.items()
                   if not r.success}
+        if not failed:  # ansible-playbook stopped before any host ran (a bad --strategy, a syntax error)
+            bad = first if not first.success else again
+            failed = f"rc {bad.rc} before any host ran; ansible's output: {bad.artifact_dir}/stdout"
         raise SystemExit(f"{nodes} node(s): site.yml failed: {failed}")
     return {"nodes": nodes, "strategy": strategy or configured_strategy(), "lab_up_s": round(boot, 1),
             "first_s": round(first.seconds, 1),

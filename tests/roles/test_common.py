@@ -294,6 +294,35 @@ def test_the_project_config_runs_a_hosts_modules_in_one_interpreter(tmp_path: Pa
     assert first != second
 
 
+FORKED_WORKER = """
+import gc, importlib.util, os, sys
+spec = importlib.util.spec_from_file_location("strategy", sys.argv[1])
+strategy = importlib.util.module_from_spec(spec)
+spec.loader.exec_module(strategy)
+if sys.argv[2] == "prepared":
+    strategy.prepare_to_fork()
+from ansible.plugins.loader import filter_loader
+if os.fork() == 0:  # what a task's worker does at its first filter
+    before = set(sys.modules)
+    filter_loader.get("ansible.builtin.bool")
+    print(sorted(m for m in set(sys.modules) - before if m.startswith("ansible.plugins.")), gc.get_freeze_count() > 0)
+    os._exit(0)
+os.wait()
+"""
+
+
+@pytest.mark.parametrize(("mode", "imported", "frozen"), [("prepared", False, True), ("as is", True, False)])
+def test_the_strategy_forks_workers_with_the_jinja_plugins_loaded(mode: str, imported: bool, frozen: bool) -> None:
+    # Each worker would otherwise import every filter plugin file again (~12 s of a 3-node re-run, bench/RESULTS.md).
+    proc = subprocess.run(
+        [sys.executable, "-c", FORKED_WORKER, str(REPO / "plugins/strategy/mitogen_linear.py"), mode],
+        capture_output=True, text=True, timeout=120, check=True,
+    )
+    modules, freeze = proc.stdout.rsplit(" ", 1)
+    assert (modules != "[]") is imported, proc.stdout
+    assert freeze.strip() == str(frozen), proc.stdout
+
+
 WIDGET_MAIN = yaml.safe_dump(
     [
         {"name": "OS variables", "ansible.builtin.import_role": {"name": "shardstack_common",
@@ -328,3 +357,27 @@ def test_roles_run_alone_probe_the_hardware_once(tmp_path: Path) -> None:
     assert re.search(r'hardware=\{\\"nvidia_pci_functions\\": \[', out), out
     assert re.search(r'\\"nvswitch_functions\\": \[', out), out
     assert re.search(r"rdma: (skipped|userspace)", out) and re.search(r"nccl: library", out), out
+
+
+@pytest.mark.parametrize(
+    ("host", "connection"),
+    [({}, "ansible.builtin.ssh"), ({"ansible_connection": "ssh"}, "ansible.builtin.ssh"),
+     ({"ansible_connection": "local"}, "local"), ({"ansible_connection": "community.docker.docker"},
+                                                 "community.docker.docker")],
+)
+def test_a_wheelhouse_archive_is_copied_over_ssh_where_the_host_is_reached_over_ssh(
+    role_eval: Any, debian_container: dict, host: dict, connection: str
+) -> None:
+    # The fully qualified name is not one Mitogen's strategy redirects to its own (slower) file transfer.
+    r = role_eval("shardstack_common", debian_container, hostvars={"node1": host})
+    assert r["__shardstack_common_bulk_connection"] == connection
+    copies = []
+    for tasks in ("training_runtime/tasks/venv.yml", "inference_service/tasks/vllm.yml"):
+        for task in _flat_tasks(yaml.safe_load((ROLES / tasks).read_text())):
+            if str(task.get("ansible.builtin.copy", {}).get("src", "")).endswith("wheelhouse.tar"):
+                copies.append(task.get("vars", {}).get("ansible_connection"))
+    assert copies == ["{{ __shardstack_common_bulk_connection }}"] * 2
+
+
+def _flat_tasks(tasks: list[dict]) -> list[dict]:
+    return [t for task in tasks for t in [task, *_flat_tasks(task.get("block", []) + task.get("rescue", []))]]
