@@ -517,11 +517,19 @@ def test_rollout_to_another_step_under_load_fails_no_request(lab3: LabCluster) -
     after = _infos(lab3, ep)
     print(f"\nserve rollout to step {previous} under load in {ro.seconds:.0f}s: {dict(load.codes)}; "
           f"/info after: {sorted((i['host'], i['step']) for i in after)}")
-    assert ro.success, {h: (r.failed_task, r.message) for h, r in ro.hosts.items()}
+    assert ro.success, ({h: (r.failed_task, r.message, _journal_tail(lab3, h)) for h, r in ro.hosts.items()
+                         if not r.success} or ro)
     assert load.codes[200] > 20
     assert set(load.codes) == {200}, dict(load.codes)
     assert {i["host"] for i in after} == backends
     assert {i["step"] for i in after} == {previous}, after
+
+
+def _journal_tail(lab3: LabCluster, host: str) -> str:
+    """The inference unit's last lines on a node, for a failure's message (systemd's says "see journalctl")."""
+    res = run_command(["journalctl", "-u", "shardstack-inference.service", "-n", "15", "--no-pager", "-o", "cat"],
+                      lab3.inventory, host)
+    return res[host].stdout if host in res else repr(res)
 
 
 def test_a_tampered_export_is_refused_while_the_other_replicas_serve(lab3: LabCluster) -> None:

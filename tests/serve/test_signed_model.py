@@ -171,6 +171,27 @@ def test_a_named_copy_has_the_exports_name_while_it_is_free_and_leaves_the_rest(
     assert not list(into.glob(".staging-*"))
 
 
+def test_another_step_of_the_same_model_is_staged_at_the_same_path(signed: tuple[Path, SigningKey, Path],
+                                                                   tmp_path: Path) -> None:
+    """A rollout to another export of the same architecture loads the same path, so vLLM's compile cache entry
+    (keyed on path and config, not on the weights) is used; another architecture gets another path."""
+    model, key, into = signed
+    first = stage_verified(model, key, into, named=True)
+    shutil.rmtree(first.path)
+    later = shutil.copytree(model, tmp_path / "later")  # the same config.json, other weights
+    _flip_last_byte(later / "model.safetensors")
+    write_manifest(later, key, step=24, source="/srv/ckpt/step_00000024")
+    assert _digest(later / "model.safetensors") != _digest(model / "model.safetensors")
+    staged = stage_verified(later, key, into, named=True)
+    assert staged.path == first.path and staged.step == 24
+    assert _digest(staged.path / "model.safetensors") == _digest(later / "model.safetensors")
+    shutil.rmtree(staged.path)
+    config = json.loads((later / "config.json").read_text())
+    (later / "config.json").write_text(json.dumps({**config, "model": {**config["model"], "n_layer": 3}}))
+    write_manifest(later, key, step=36, source="/srv/ckpt/step_00000036")
+    assert stage_verified(later, key, into, named=True).path != first.path
+
+
 def test_every_node_of_a_pipeline_stages_the_export_at_the_same_path(signed: tuple[Path, SigningKey, Path],
                                                                      tmp_path: Path) -> None:
     """Pipeline parallel: vLLM's workers on the other nodes load the head's --model path, so each node's verified

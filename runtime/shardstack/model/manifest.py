@@ -141,11 +141,14 @@ def stage_verified(model_dir: str | os.PathLike, key: SigningKey, into: str | os
     """Verify the export at `model_dir` against its manifest signed with `key`, copying what it lists into a new
     private directory under `into` (removed again if anything fails). Raises ShardstackError naming what failed.
 
-    named: the copy is named after the signed manifest, so a restart on the same export loads the same path (vLLM
-    keys its torch.compile cache on the model's path: a random name makes a new entry at every start); a
-    name another process holds leaves this copy its private one. shared_name: named, and it replaces whatever else
-    is in `into` (the copies of earlier exports), so every node that stages the same export gets the same path
-    (pipeline parallel: vLLM's workers on the other nodes load the head's --model path)."""
+    named: the copy is named after the export's signed config.json (the architecture, not the weights), so a restart
+    on the same export or on another step of the same model loads the same path: vLLM keys its torch.compile cache
+    on the model's path and config, never on the weights, and a new path means compiling the model again.
+    A name another process holds leaves this copy its private one. shared_name: named after the whole signed
+    manifest (the export), and it replaces whatever else is in `into` (the copies of earlier exports), so every node
+    that stages the same export gets the same path (pipeline parallel: vLLM's workers on the other nodes load the
+    head's --model path) and a node that staged another export has no such path: its stage fails, never serves
+    the other weights."""
     where = Path(model_dir)
     try:
         dfd = os.open(where, os.O_RDONLY | os.O_DIRECTORY)
@@ -176,8 +179,9 @@ def stage_verified(model_dir: str | os.PathLike, key: SigningKey, into: str | os
     finally:
         os.close(dfd)
     if shared_name or named:
-        digest = hashlib.sha256(json.dumps(manifest, sort_keys=True).encode()).hexdigest()[:16]
-        final = Path(into) / f"shardstack-model-{digest}"
+        config = None if shared_name else files.get("config.json")
+        digest = config[1] if config else hashlib.sha256(json.dumps(manifest, sort_keys=True).encode()).hexdigest()
+        final = Path(into) / f"shardstack-model-{digest[:16]}"
         for old in Path(into).iterdir() if shared_name else ():  # one model on the node's disk: this one
             if old == dest:
                 continue

@@ -292,8 +292,9 @@ def run(args: argparse.Namespace, key: SigningKey | None, token: str | None) -> 
     staged = None
     if key is not None:
         try:
-            # Named after the export: vLLM keys its compile cache on the path, so a restart uses the entry the last
-            # start made. Across nodes the path is the one every worker node staged (`serve stage`, the same name).
+            # Named after the export's config: vLLM keys its compile cache on the path, so a restart (or a rollout to
+            # another step) uses the entry the last start made. Pipeline parallel: named after the export, the path
+            # every worker node staged (`serve stage`).
             staged = stage_verified(args.model, key, args.stage_dir, shared_name=args.pipeline_parallel > 1,
                                     named=True)
         except ShardstackError as exc:  # the same one journal line as the built-in engine's refusal
