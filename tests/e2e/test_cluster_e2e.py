@@ -525,10 +525,10 @@ def test_rollout_to_another_step_under_load_fails_no_request(lab3: LabCluster) -
     assert {i["step"] for i in after} == {previous}, after
 
 
-def _journal_tail(lab3: LabCluster, host: str) -> str:
+def _journal_tail(lab3: LabCluster, host: str, lines: int = 15) -> str:
     """The inference unit's last lines on a node, for a failure's message (systemd's says "see journalctl")."""
-    res = run_command(["journalctl", "-u", "shardstack-inference.service", "-n", "15", "--no-pager", "-o", "cat"],
-                      lab3.inventory, host)
+    res = run_command(["journalctl", "-u", "shardstack-inference.service", "-n", str(lines), "--no-pager", "-o",
+                       "cat"], lab3.inventory, host)
     return res[host].stdout if host in res else repr(res)
 
 
@@ -555,8 +555,7 @@ def test_a_tampered_export_is_refused_while_the_other_replicas_serve(lab3: LabCl
             with Load(ep) as load:
                 refused = run_command(["systemctl", "restart", "shardstack-inference.service"], lab3.inventory,
                                       victim)
-                journal = run_command(["journalctl", "-u", "shardstack-inference.service", "-n", "40",
-                                       "--no-pager", "-o", "cat"], lab3.inventory, victim)[victim].stdout
+                journal = _journal_tail(lab3, victim, 40)
         finally:
             assert run_command([*user, restore], lab3.inventory, head)[head].success
         restarted = run_command(["sh", "-c", "systemctl stop shardstack-inference.service; systemctl reset-failed "
@@ -770,8 +769,9 @@ def test_a_loop_of_1mib_prompts_leaves_another_client_served(lab3: LabCluster) -
           f"HAProxy UP->DOWN {downs} -> {after}")
     # Refused by the built-in engine's size check before any tokenizer work: 413, or the connection reset while the
     # rest of the megabyte was still being sent (-1); by vLLM, which has no body limit of its own below the edge's,
-    # on its token count: 400. Never answered, never a 5xx.
-    assert codes.get(413, 0) > 10 and set(codes) <= {400, 413, 429, -1}, codes
+    # on its token count: 400. Never answered, never a 5xx. The loop is sequential: how many it sent depends on how
+    # fast vLLM counts a megabyte's tokens on the loaded host (cc69: 183 in the 12 flooded seconds, CI: 17).
+    assert sum(codes.values()) > 10 and 413 in codes and set(codes) <= {400, 413, 429, -1}, codes
     assert set(other) == {200}, dict(other)
     assert len(quiet) > 20 and len(flooded) > 20
     # Not starved: the median within 2x of the quiet one (over a 50 ms floor), and no request slower than 2 s. The
