@@ -1,6 +1,6 @@
 """validate on GPU nodes: each broken condition, from the facts a node publishes (`python -m shardstack.accel`),
-is a finding that names the node and the check; a CPU node passes with "no NVIDIA hardware". And the GPU and
-all-reduce plays of playbooks/validate.yml, run for real on this machine."""
+is a finding that names the node and the check; a CPU node passes with "no NVIDIA hardware". And the GPU,
+all-reduce and storage plays of playbooks/validate.yml, run for real on this machine."""
 
 from __future__ import annotations
 
@@ -128,3 +128,25 @@ def test_the_gpu_and_all_reduce_plays_on_this_machine(tmp_path: Path) -> None:
         assert report["accel"]["accelerator"] == "cpu" and findings == []
         assert res.data["validate_allreduce"]["backend"] == "gloo"
         assert _gpu_cell(report).startswith("no NVIDIA hardware (CPU node)")
+
+
+def test_the_storage_play_checks_the_reachable_nodes_when_one_is_unreachable(tmp_path: Path) -> None:
+    """An unreachable node is reported as such; the others' storage check runs without it (it has no mount fact)."""
+    inv = tmp_path / "hosts.yml"
+    inv.write_text(json.dumps({"all": {
+        "hosts": {"node1": {"ansible_connection": "local", "ansible_host": "127.0.0.1"},
+                  # Nothing listens on port 1: refused at once.
+                  "node2": {"ansible_connection": "ssh", "ansible_host": "127.0.0.1", "ansible_port": 1}},
+        "vars": {"ansible_user": "root", "ansible_python_interpreter": sys.executable},
+        "children": {"train_nodes": {"hosts": {"node1": {}, "node2": {}}}},
+    }}))
+    shared = tmp_path / "shared"
+    shared.mkdir()
+    res = run_playbook("playbooks/validate.yml", inv, tags="validate_storage", artifacts=tmp_path / "art",
+                       extravars={"validate_shared_dir": str(shared), "validate_storage_mb": 1,
+                                  "shardstack_user": "root", "shardstack_group": "root"})
+    assert res.hosts["node2"].unreachable and not res.hosts["node1"].failed, res.hosts
+    assert res.data["validate_storage"] == {"node1": {
+        "read_only": False, "write": res.data["validate_storage"]["node1"]["write"], "read_of": "node1",
+        "read": res.data["validate_storage"]["node1"]["read"], "peer_checksum_matches": True}}
+    assert "copied" in res.data["validate_storage"]["node1"]["write"]
