@@ -66,3 +66,25 @@ def test_molecule_runs_tasks_the_way_ansible_cfg_does(monkeypatch: pytest.Monkey
                              ("ssh_connection", "ssh_args")]:
             got, want = str(options[section][key]), cfg.get(section, key)
             assert got.lower() == want.lower(), (name, section, key, got, want)
+
+
+@pytest.mark.parametrize(("configured", "runs"), [(None, "mitogen_linear"), ("linear", "linear"),
+                                                  ("free", "ansible.builtin.linear"),
+                                                  ("host_pinned", "ansible.builtin.linear")])
+def test_the_storage_play_runs_linear_over_the_configured_strategy_where_it_is_linear(
+    configured: str | None, runs: str
+) -> None:
+    # The NFS server must export before any client mounts; a plain-linear pin would drop Mitogen for the play.
+    import yaml
+
+    expr = yaml.safe_load((ROOT / "playbooks" / "storage.yml").read_text())[0]["strategy"]
+    env = {**os.environ, "ANSIBLE_CONFIG": str(ROOT / "ansible.cfg"),
+           "PATH": f"{Path(sys.executable).parent}:{os.environ['PATH']}", "ANSIBLE_FORCE_COLOR": "0",
+           "ANSIBLE_NOCOLOR": "1"}
+    env.pop("ANSIBLE_STRATEGY", None)
+    if configured:
+        env["ANSIBLE_STRATEGY"] = configured
+    proc = subprocess.run(["ansible", "localhost", "-c", "local", "-i", "localhost,", "-m", "ansible.builtin.debug",
+                           "-a", f"msg=strategy={expr.strip()}"], capture_output=True, text=True, env=env,
+                          cwd=ROOT, timeout=120)
+    assert f"msg: strategy={runs}\n" in proc.stdout, proc.stdout + proc.stderr
