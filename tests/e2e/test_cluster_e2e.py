@@ -773,7 +773,9 @@ def test_a_loop_of_1mib_prompts_leaves_another_client_served(lab3: LabCluster) -
     # fast vLLM counts a megabyte's tokens on the loaded host (cc69: 183 in the 12 flooded seconds, CI: 17).
     assert sum(codes.values()) > 10 and 413 in codes and set(codes) <= {400, 413, 429, -1}, codes
     assert set(other) == {200}, dict(other)
-    assert len(quiet) > 20 and len(flooded) > 20
+    # Samples for the medians: 30 and 28 in cc72, 54 and 36 in cc69; CI's host, which sent a tenth of cc69's
+    # flood, would have given fewer.
+    assert len(quiet) >= 10 and len(flooded) >= 10
     # Not starved: the median within 2x of the quiet one (over a 50 ms floor), and no request slower than 2 s. The
     # tail ratio is bench/serve_stall.py's figure, not this test's: with ~120 samples p99 is the second-slowest
     # request, which one scheduling stall on the loaded 2-core CI host doubled (quiet 155 ms, flooded 341 ms, with
