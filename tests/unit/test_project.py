@@ -7,6 +7,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import yaml
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -75,8 +76,6 @@ def test_the_storage_play_runs_linear_over_the_configured_strategy_where_it_is_l
     configured: str | None, runs: str
 ) -> None:
     # The NFS server must export before any client mounts; a plain-linear pin would drop Mitogen for the play.
-    import yaml
-
     expr = yaml.safe_load((ROOT / "playbooks" / "storage.yml").read_text())[0]["strategy"]
     env = {**os.environ, "ANSIBLE_CONFIG": str(ROOT / "ansible.cfg"),
            "PATH": f"{Path(sys.executable).parent}:{os.environ['PATH']}", "ANSIBLE_FORCE_COLOR": "0",
